@@ -1,0 +1,76 @@
+"""Attention for one token: shared-latent MQA over the window ring plus compressed rows, with a sink.
+
+Owns the attention sublayer's math and its window ring (MODEL.md §2.2, LLAMACPP_DEEPSEEK4.md §3):
+- query: qr = RMSNorm(h @ W_qa) * q_a_norm; q = qr @ W_qb per head; V4 RMS-normalises each head (no weight);
+  RoPE on the last rope dims at the token position;
+- one K = V latent per token: kv = RMSNorm(h @ W_kv) * kv_norm, RoPE likewise, written into a ring of
+  `window` rows (slot = position mod window: the ring holds exactly positions p-window+1 .. p);
+- keys = the window rows plus compressed rows (all visible ones for HCA, the indexer's top-k for CSA);
+  score = q.k / sqrt(head_dim); one softmax per head over all keys plus a learned sink logit that sits in the
+  denominator only; output = weighted sum of the same latents;
+- inverse RoPE on the output's last rope dims at the query position, then the grouped low-rank output:
+  heads split into o_groups, group g's heads times its block of W_oa, the concatenation times W_ob.
+Compression and indexing live in compressor.py / indexer.py; model.py decides which rows a layer reads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jds41.config import ModelConfig
+from jds41.layers.norm import rms_norm
+from jds41.layers.rope import apply_rope
+from jds41.quant import qmatvec
+
+
+def init_ring(cfg: ModelConfig) -> dict[str, jax.Array]:
+    return {"kv": jnp.zeros((cfg.window, cfg.head_dim), jnp.float32),
+            "pos": jnp.full((cfg.window,), -1, jnp.int32)}
+
+
+def query(cfg: ModelConfig, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(q [H, HD] rotated, qr [q_lora_rank]); qr also feeds the indexer."""
+    qr = rms_norm(qmatvec(h_D, w["attn_q_a"]), w["attn_q_a_norm"], cfg.rms_eps)
+    q = qmatvec(qr, w["attn_q_b"]).reshape(cfg.n_heads, cfg.head_dim)
+    if cfg.q_head_norm:
+        q = rms_norm(q, None, cfg.rms_eps)
+    return apply_rope(q, pos, freqs), qr
+
+
+def latent(cfg: ModelConfig, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array) -> jax.Array:
+    """The token's K = V latent [HD], normalised and rotated."""
+    kv = rms_norm(qmatvec(h_D, w["attn_kv"]), w["attn_kv_a_norm"], cfg.rms_eps)
+    return apply_rope(kv, pos, freqs)
+
+
+def push_ring(ring: dict, kv: jax.Array, pos: jax.Array) -> dict:
+    slot = pos % ring["kv"].shape[0]
+    return {"kv": jax.lax.dynamic_update_index_in_dim(ring["kv"], kv, slot, 0),
+            "pos": jax.lax.dynamic_update_index_in_dim(ring["pos"], pos, slot, 0)}
+
+
+def attend(cfg: ModelConfig, w: dict, q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array) -> jax.Array:
+    """Softmax over the valid keys plus the per-head sink (denominator only); returns [H, HD]."""
+    logits = jnp.einsum("hk,nk->hn", q_HK, keys_NK) * cfg.head_dim ** -0.5
+    logits = jnp.where(valid_N[None, :], logits, -jnp.inf)
+    sink_H = w["attn_sinks"]
+    top = jnp.maximum(jnp.max(logits, axis=1), sink_H)
+    e = jnp.exp(logits - top[:, None])
+    denom = jnp.sum(e, axis=1) + jnp.exp(sink_H - top)
+    return jnp.einsum("hn,nk->hk", e / denom[:, None], keys_NK)
+
+
+def output(cfg: ModelConfig, w: dict, o_HK: jax.Array, pos: jax.Array, freqs: jax.Array) -> jax.Array:
+    """Inverse RoPE at the query position, grouped W_oa, then W_ob; returns [D]."""
+    o_HK = apply_rope(o_HK, pos, freqs, inverse=True)
+    G, L = cfg.o_groups, cfg.o_lora_rank
+    o_GX = o_HK.reshape(G, -1)  # group g = heads g*H/G .. (g+1)*H/G - 1, concatenated
+    wo_a = w["attn_output_a"]  # rows g*L .. (g+1)*L - 1 belong to group g
+    per_group = [qmatvec(o_GX[g], _rows(wo_a, g * L, L)) for g in range(G)]
+    return qmatvec(jnp.concatenate(per_group), w["attn_output_b"])
+
+
+def _rows(wt, start: int, n: int):
+    """Static row block of a weight (plain array or QTensor): GGUF rows are contiguous, so this is a view."""
+    return wt[start:start + n]

@@ -1,0 +1,232 @@
+"""Wiring only: the decode step and prefill of a DeepSeek V4-Flash / V4.1-Flash model over an explicit state.
+
+`decode_step(params, state, token, engram_rows)` runs one token through every block and returns the next-token
+logits and the advanced state; `prefill` scans the same step over a prompt, so prompt and decode positions get
+identical arithmetic (the reference for the faster paths of later issues). Both are jitted with the config and
+layer plan static and the state donated; token ids, positions and Engram rows are array inputs, so nothing
+recompiles between steps.
+
+State pytree (plain arrays, so the prefix cache can snapshot it):
+  pos                           int32 scalar, the position the next token gets
+  layers[i].ring                window ring: kv [window, HD], pos [window] (-1 = empty)
+  layers[i].cmp                 the layer's own KV compressor (compressor.py) when it has one
+  layers[i].idx                 V4: the indexer's own compressor (its rows are the index keys);
+                                V4.1 index sources: {"keys": [n_rows, ID]} built from the shared latent
+Engram n-gram history lives with the host-side hasher (it is known from token ids before the step runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds41.config import ModelConfig
+from jds41.layers import attention, compressor, indexer
+from jds41.layers.compressor import CompressorSpec
+from jds41.layers.engram import engram_combine
+from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_split
+from jds41.layers.moe import routed_experts, shared_expert
+from jds41.layers.norm import rms_norm
+from jds41.layers.rope import rope_freqs
+from jds41.layers.router import route
+from jds41.quant import embed_rows, qmatvec
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What one block computes, decided once from the config (static under jit)."""
+
+    index: int
+    ratio: int
+    cmp: CompressorSpec | None  # own attention compressor (V4 layout, or a V4.1 kv source)
+    idx_cmp: CompressorSpec | None  # V4 indexer's own compressor
+    kv_source: int  # layer whose compressed rows this layer reads (-1: window only)
+    index_source: int  # layer whose indexer top-k this layer uses (-1: all visible rows)
+    runs_indexer: bool
+    latent_index_keys: bool  # V4.1: index keys derived from the shared latent at this layer
+    candidate_source: bool  # V4.1: this layer picks the candidate blocks
+    uses_candidates: bool  # V4.1: this layer's indexer is restricted to the candidate blocks
+    engram_slot: int  # position in cfg.engram.layer_ids, -1 if none
+    hash_layer: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelPlan:
+    cfg: ModelConfig
+    max_ctx: int
+    layers: tuple[LayerPlan, ...]
+
+    def n_rows(self, ratio: int) -> int:
+        return -(-self.max_ctx // ratio)
+
+
+def make_plan(cfg: ModelConfig, max_ctx: int) -> ModelPlan:
+    layers = []
+    for i in range(cfg.n_layers):
+        r = cfg.ratio(i)
+        n_rows = -(-max_ctx // r) if r else 0
+        cmp = idx_cmp = None
+        if cfg.has_compressor(i):
+            cmp = CompressorSpec(ratio=r, width=cfg.head_dim, overlap=cfg.compressor_overlap(i), has_gate=r > 1,
+                                 has_ape=not cfg.shared_kv, n_rows=n_rows)
+        runs_indexer = cfg.has_indexer(i)
+        if runs_indexer and not cfg.shared_kv:
+            idx_cmp = CompressorSpec(ratio=4, width=cfg.index_head_dim, overlap=True, has_gate=True, has_ape=True,
+                                     n_rows=n_rows)
+        cand = cfg.candidate_source_layer_id
+        layers.append(LayerPlan(
+            index=i, ratio=r, cmp=cmp, idx_cmp=idx_cmp, kv_source=cfg.kv_source(i), index_source=cfg.index_source(i),
+            runs_indexer=runs_indexer, latent_index_keys=runs_indexer and cfg.shared_kv,
+            candidate_source=cfg.shared_kv and i == cand,
+            uses_candidates=cfg.shared_kv and cand >= 0 and i > cand and runs_indexer,
+            engram_slot=cfg.engram.layer_ids.index(i) if cfg.is_engram_layer(i) else -1,
+            hash_layer=cfg.is_hash_layer(i)))
+    return ModelPlan(cfg=cfg, max_ctx=max_ctx, layers=tuple(layers))
+
+
+def init_state(plan: ModelPlan) -> dict:
+    cfg = plan.cfg
+    layers = []
+    for lp in plan.layers:
+        st = {"ring": attention.init_ring(cfg)}
+        if lp.cmp is not None:
+            st["cmp"] = compressor.init_state(lp.cmp)
+        if lp.idx_cmp is not None:
+            st["idx"] = compressor.init_state(lp.idx_cmp)
+        elif lp.latent_index_keys:
+            st["idx"] = {"keys": jnp.zeros((plan.n_rows(lp.ratio), cfg.index_head_dim), jnp.float32)}
+        layers.append(st)
+    return {"pos": jnp.zeros((), jnp.int32), "layers": layers}
+
+
+@functools.lru_cache(maxsize=None)
+def _freqs(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(window-layer freqs, compressed-layer freqs); YaRN applies to compressed layers only."""
+    yarn = None
+    if cfg.rope_scaling == "yarn":
+        yarn = (cfg.rope_factor, cfg.rope_orig_ctx, cfg.yarn_beta_fast, cfg.yarn_beta_slow)
+    return rope_freqs(cfg.rope_dim, cfg.rope_base, None), rope_freqs(cfg.rope_dim, cfg.compress_rope_base, yarn)
+
+
+def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_st: list, h_D, pos, shared: dict):
+    """Attention sublayer of layer lp.index on the normed input h_D; updates new_st[lp.index]; returns [D]."""
+    cfg = plan.cfg
+    f_win, f_cmp = _freqs(cfg)
+    freqs = jnp.asarray(f_cmp if lp.ratio else f_win)
+    st = dict(st_all[lp.index])
+    q, qr = attention.query(cfg, w, h_D, pos, freqs)
+    st["ring"] = attention.push_ring(st["ring"], attention.latent(cfg, w, h_D, pos, freqs), pos)
+    keys, valid = [st["ring"]["kv"]], [st["ring"]["pos"] >= 0]
+    if lp.cmp is not None:
+        st["cmp"] = compressor.update(lp.cmp, st["cmp"], w, h_D, pos, freqs, cfg.rms_eps)[0]
+    if lp.idx_cmp is not None:
+        st["idx"], _, _ = compressor.update(lp.idx_cmp, st["idx"], w, h_D, pos, freqs, cfg.rms_eps,
+                                            prefix="indexer_compressor")
+    new_st[lp.index] = st
+    if lp.ratio:
+        src = new_st[lp.kv_source]["cmp"]["rows"]  # sources precede their users, so this is this step's rows
+        visible = compressor.visible_mask(src.shape[0], lp.ratio, pos)
+        if lp.latent_index_keys:
+            st["idx"] = _update_latent_keys(cfg, w, st["idx"], src, pos, lp.ratio, freqs)
+            new_st[lp.index] = st
+        if lp.index_source < 0:  # HCA: every visible compressed row
+            keys.append(src)
+            valid.append(visible)
+        else:
+            if lp.runs_indexer:
+                index_keys = st["idx"]["rows"] if lp.idx_cmp is not None else st["idx"]["keys"]
+                scores = indexer.index_scores(w, qr, h_D, index_keys, pos, freqs, cfg.index_n_heads,
+                                              cfg.index_head_dim)
+                allowed = visible
+                if lp.uses_candidates:
+                    allowed = allowed & shared["candidates"]
+                if lp.candidate_source:
+                    shared["candidates"] = indexer.candidate_block_mask(
+                        scores, visible, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+                shared[("topk", lp.index)] = indexer.select_top_k(scores, allowed, cfg.index_topk)
+            sel, sel_valid = shared[("topk", lp.index_source)]
+            keys.append(src[sel])
+            valid.append(sel_valid)
+    o = attention.attend(cfg, w, q, jnp.concatenate(keys), jnp.concatenate(valid))
+    return attention.output(cfg, w, o, pos, freqs)
+
+
+def _update_latent_keys(cfg, w, idx_st, rows, pos, ratio, freqs):
+    """V4.1: when the shared source emits row b at this position, derive its index key."""
+    block = pos // ratio
+    emitted = (pos + 1) % ratio == 0
+    row = jax.lax.dynamic_index_in_dim(rows, block, 0, keepdims=False)
+    key = indexer.index_key_from_latent(w, row, block * ratio, freqs, cfg.rms_eps)
+    old = jax.lax.dynamic_index_in_dim(idx_st["keys"], block, 0, keepdims=False)
+    return {"keys": jax.lax.dynamic_update_index_in_dim(idx_st["keys"], jnp.where(emitted, key, old), block, 0)}
+
+
+def _ffn_block(cfg: ModelConfig, lp: LayerPlan, w: dict, h_D, token):
+    if lp.hash_layer:
+        idx, weight = route(h_D, w["ffn_gate_inp"], None, cfg, hash_ids_K=w["ffn_gate_tid2eid"][token])[:2]
+    else:
+        idx, weight = route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg)[:2]
+    y = routed_experts(h_D, w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"], idx, weight,
+                       cfg.swiglu_limit[lp.index])
+    if cfg.n_shared_experts:
+        y = y + shared_expert(h_D, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"],
+                              cfg.swiglu_limit_shexp[lp.index])
+    return y
+
+
+def _sublayer_mix(cfg: ModelConfig, w: dict, branch: str, x_HD):
+    mix = hc_mix(x_HD, w[f"hc_{branch}_fn"], cfg.rms_eps)
+    return hc_split(mix, w[f"hc_{branch}_scale"], w[f"hc_{branch}_base"], cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+
+def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows: jax.Array | None):
+    """One token through the model: (logits [V], new state). `engram_rows` [n_engram_layers, n_buckets, bytes]."""
+    cfg = plan.cfg
+    pos = state["pos"]
+    x = jnp.broadcast_to(embed_rows(params["token_embd"], token[None])[0], (cfg.hc_mult, cfg.dim))
+    new_layers: list = list(state["layers"])
+    shared: dict = {}
+    # V4.1 lag: each sublayer collapses with the `pre` handed over by the previous sublayer.
+    pre_prev = jnp.zeros((cfg.hc_mult,), jnp.float32).at[0].set(1.0)
+    for lp in plan.layers:
+        w = params["blocks"][lp.index]
+        if lp.engram_slot >= 0:
+            x = engram_combine(x, engram_rows[lp.engram_slot], w["engram_wkv"], w["engram_q"], w["engram_k"],
+                               cfg.rms_eps)
+        for branch in ("attn", "ffn"):
+            pre, post, comb = _sublayer_mix(cfg, w, branch, x)
+            h = rms_norm(hc_collapse(x, pre_prev if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
+            if branch == "attn":
+                out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared)
+            else:
+                out = _ffn_block(cfg, lp, w, h, token)
+            x = hc_expand(x, out, post, comb)
+            pre_prev = pre
+    if cfg.hc_lag:
+        y = hc_collapse(x, pre_prev)
+    else:
+        y = hc_head(x, params["output_hc_fn"], params["output_hc_scale"], params["output_hc_base"], cfg.hc_eps,
+                    cfg.rms_eps)
+    logits = qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
+    return logits, {"pos": pos + 1, "layers": new_layers}
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def decode_step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows=None):
+    return step(plan, params, state, token, engram_rows)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def prefill(plan: ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None):
+    """All prompt positions through `step` (lax.scan): (logits [T, V], state)."""
+    def body(st, xs):
+        tok, rows = xs
+        logits, st = step(plan, params, st, tok, rows)
+        return st, logits
+
+    state, logits = jax.lax.scan(body, state, (tokens, engram_rows))
+    return logits, state
