@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jds41.config import DSparkConfig, ModelConfig
 from jds41.engram_hash import make_engram_config, vocab_for_rows
 
@@ -25,6 +27,17 @@ SIZES = ("tiny", "tiny-shared", "small", "full")
 # V4 tokenizer's (129280 ids, 99092 compressed ids), so full-size multipliers equal the real model's.
 VOCAB = {"tiny": 512, "small": 8192, "full": 129280}
 COMPRESSED_VOCAB = {"tiny": 400, "small": 6400, "full": 99092}
+
+
+
+def compressed_vocab(vocab_size: int) -> int:
+    """Engram token-map classes of the synthetic tokenizer with this many ids: the preset pairs above, otherwise
+    the real tokenizer's ratio (99092 / 129280)."""
+    for size, v in VOCAB.items():
+        if v == vocab_size:
+            return COMPRESSED_VOCAB[size]
+    return max(1, round(vocab_size * COMPRESSED_VOCAB["full"] / VOCAB["full"]))
+
 
 _COMMON = {
     "n_nextn": 0, "rope_base": 10000.0, "compress_rope_base": 160000.0, "rope_scaling": "yarn",
@@ -127,7 +140,9 @@ def preset(arch: str, size: str, layers: int | None = None, nextn: int = 0) -> M
     if arch == "deepseek41":
         ids, heads, hdim, max_ngram, start = _ENGRAM[base]
         ids = tuple(i for i in ids if i < n)
-        engram = make_engram_config(ids, heads, hdim, max_ngram, start, COMPRESSED_VOCAB[base]) if ids else None
+        engram = None
+        if ids:
+            engram = make_engram_config(ids, heads, hdim, max_ngram, start, compressed_vocab(f["vocab_size"]))
         block, rank, noise = _DSPARK[base]
         targets = tuple(range(max(0, n - (3 if base == "full" else 2)), n))
         cfg = dataclasses.replace(cfg, engram=engram, dspark=DSparkConfig(targets, noise, block, rank))
@@ -148,9 +163,21 @@ def with_engram_rows(cfg: ModelConfig, rows: int) -> ModelConfig:
     return _checked(dataclasses.replace(cfg, engram=new))
 
 
+def _f32(x):
+    """GGUF stores these floats as f32: keep the config at the value a file will read back (1e-6 is not one)."""
+    if isinstance(x, float):
+        return float(np.float32(x))
+    if isinstance(x, tuple) and x and all(isinstance(v, float) for v in x):
+        return tuple(float(np.float32(v)) for v in x)
+    return x
+
+
 def _checked(cfg: ModelConfig) -> ModelConfig:
-    """Validate through the one constructor: metadata round trip must give the same config back."""
-    meta = {k: v for k, v, _ in cfg.to_metadata()}
+    """Round floats to f32, then validate through the one constructor: a metadata round trip with f32 storage
+    must give the same config back."""
+    cfg = dataclasses.replace(cfg, **{f.name: _f32(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)})
+    meta = {k: _f32(v) if t == "f32" else (tuple(_f32(tuple(v))) if t == "f32[]" else v)
+            for k, v, t in cfg.to_metadata()}
     back = ModelConfig.from_metadata(meta, path=f"<preset {cfg.arch}>")
     if back != cfg:
         diff = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(back, f.name)]
