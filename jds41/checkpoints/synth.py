@@ -16,8 +16,8 @@ Always: tid2eid I32 (distinct experts per row), Engram tables I8 rows of head_di
 E8M0 scales (no NaN byte patterns).
 
 Weights are scaled so activations stay O(1): N(0, 1/fan_in) matrices, embeddings N(0, 1), norms ~1, small hc
-mixing matrices, moderate hc base/scale, sinks ~0, small router bias. Generation is seeded per tensor name, so
-a tensor's bytes depend only on (seed, name, shape, type).
+mixing matrices, moderate hc base/scale, sinks ~0, small router bias. Generation is seeded per tensor name and
+draws rows in order, so a tensor's bytes depend only on (seed, name, shape, type), not on the chunking.
 
 CLI: python -m jds41.checkpoints.synth --arch deepseek41 --size tiny --quant q8 --out FILE.gguf
 """
@@ -155,10 +155,14 @@ def _chunks(spec: TensorSpec, qtype: T, cfg: ModelConfig, rng: np.random.Generat
 
 def _engram_rows(rng: np.random.Generator, n: int, head_dim: int) -> np.ndarray:
     """[n, head_dim + head_dim/32] bytes: E4M3 values with bit 6 cleared (exponent <= 7, so |v| < 1.875 and
-    never the 0x7F / 0xFF NaN patterns), then E8M0 scales 125..128 (x0.25 .. x2)."""
-    vals = np.frombuffer(rng.bytes(n * head_dim), dtype=np.uint8).reshape(n, head_dim) & np.uint8(0xBF)
-    scales = rng.integers(125, 129, size=(n, head_dim // 32), dtype=np.uint8)
-    return np.concatenate([vals, scales], axis=1)
+    never the 0x7F / 0xFF NaN patterns), then E8M0 scales 125..128 (x0.25 .. x2). One draw of whole rows, so the
+    bytes do not depend on how rows are chunked."""
+    width = head_dim + head_dim // 32
+    words = -(-width // 8)  # whole 64-bit draws per row: numpy's byte draws are not chunk-invariant
+    raw = rng.bit_generator.random_raw(n * words).view(np.uint8).reshape(n, words * 8)[:, :width].copy()
+    raw[:, :head_dim] &= np.uint8(0xBF)
+    raw[:, head_dim:] = np.uint8(125) + (raw[:, head_dim:] & np.uint8(3))
+    return raw
 
 
 def _quantizer():
