@@ -1,0 +1,79 @@
+"""MoE experts: the K routed SwiGLU experts of a token and the always-on shared expert (MODEL.md §2.5,
+LLAMACPP_DEEPSEEK4.md §3 FFN paragraph).
+
+Owns `routed_experts` / `shared_expert` (one token) and their `*_rows` forms (T tokens). One expert:
+  gate_F = W_gate x, up_F = W_up x                                    (f32)
+  if limit > 1e-6: gate = min(gate, limit), up = clip(up, -limit, limit)   (asymmetric SwiGLU clamp)
+  h_F = silu(gate) * up * weight                                      (routing weight applied BEFORE down)
+  y_D = W_down h
+The token's output is y_0 + y_1 + ... + y_{K-1} in routing order (fixed left-to-right adds); the shared expert is
+the same computation with weight 1 and its own clamp (`swiglu_limit_shexp`), added by the caller.
+
+Weights are QTensors: routed stacks gate/up [E, F, D] and down [E, D, F], shared [F*S, D] / [D, F*S]. Routed
+products go through `qmatvec_experts`, which gathers only the K selected experts' bytes: no other expert is read,
+so a layer never needs (or touches) unselected experts, whatever tier they live in. A layer receives its expert
+stacks as arguments and does not know where they came from.
+
+Row invariance (rowwise.py): the one-token functions are fusion islands and the `*_rows` forms map them over
+tokens (each token its own idx/weights), so row t is bit-identical to decode of token t for any T; no capacity,
+no dropping, no batch-dependent grouping (MODEL.md §4 "token-independent MoE").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jds41.layers.rowwise import island, map_rows
+from jds41.quant import qmatvec, qmatvec_experts
+
+CLAMP_MIN_LIMIT = 1e-6  # llama.cpp applies the SwiGLU clamps only for limit > 1e-6 (0 = off)
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit) -> jax.Array:
+    """silu(min(gate, limit)) * clip(up, -limit, limit); no clamp when limit <= 1e-6. f32."""
+    gate, up = jnp.asarray(gate, jnp.float32), jnp.asarray(up, jnp.float32)
+    if isinstance(limit, (int, float)):
+        if limit > CLAMP_MIN_LIMIT:
+            gate = jnp.minimum(gate, jnp.float32(limit))
+            up = jnp.clip(up, -jnp.float32(limit), jnp.float32(limit))
+    else:  # a traced per-layer limit (e.g. scanned over stacked layers)
+        lim = jnp.asarray(limit, jnp.float32)
+        on = lim > CLAMP_MIN_LIMIT
+        gate = jnp.where(on, jnp.minimum(gate, lim), gate)
+        up = jnp.where(on, jnp.clip(up, -lim, lim), up)
+    return jax.nn.silu(gate) * up
+
+
+def routed_experts(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Array, weight_K: jax.Array,
+                   limit) -> jax.Array:
+    """Sum of the K routed experts of one token -> [D]. gate/up_exps [E, F, D], down_exps [E, D, F] QTensors."""
+    x_D, idx_K, weight_K = island((jnp.asarray(x_D, jnp.float32), jnp.asarray(idx_K, jnp.int32),
+                                   jnp.asarray(weight_K, jnp.float32)))
+    g_KF = qmatvec_experts(x_D, gate_exps, idx_K)
+    u_KF = qmatvec_experts(x_D, up_exps, idx_K)
+    h_KF = swiglu(g_KF, u_KF, limit) * weight_K[:, None]
+    y_KD = qmatvec_experts(h_KF, down_exps, idx_K)
+    y_D = y_KD[0]
+    for k in range(1, y_KD.shape[0]):
+        y_D = y_D + y_KD[k]
+    return island(y_D)
+
+
+def shared_expert(x_D: jax.Array, gate, up, down, limit) -> jax.Array:
+    """The shared expert of one token (weight 1) -> [D]. gate/up [F*S, D], down [D, F*S] QTensors."""
+    x_D = island(jnp.asarray(x_D, jnp.float32))
+    h_F = swiglu(qmatvec(x_D, gate), qmatvec(x_D, up), limit)
+    return island(qmatvec(h_F, down))
+
+
+def routed_experts_rows(x_TD: jax.Array, gate_exps, up_exps, down_exps, idx_TK: jax.Array, weight_TK: jax.Array,
+                        limit) -> jax.Array:
+    """`routed_experts` for T tokens, each with its own experts -> [T, D]; row t equals decode of token t."""
+    return map_rows(lambda x_D, idx_K, w_K: routed_experts(x_D, gate_exps, up_exps, down_exps, idx_K, w_K, limit),
+                    jnp.asarray(x_TD, jnp.float32), jnp.asarray(idx_TK, jnp.int32), jnp.asarray(weight_TK, jnp.float32))
+
+
+def shared_expert_rows(x_TD: jax.Array, gate, up, down, limit) -> jax.Array:
+    """`shared_expert` for T tokens -> [T, D]; row t equals decode of token t."""
+    return map_rows(lambda x_D: shared_expert(x_D, gate, up, down, limit), jnp.asarray(x_TD, jnp.float32))
