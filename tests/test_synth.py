@@ -8,6 +8,7 @@ Engram hash parameters of MODEL.md §3 (the full V4.1 row counts are the publish
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import gguf
@@ -83,6 +84,21 @@ def test_layout_types():
     types, _ = synth.choose_types(cfg, "mxfp4")
     assert types["blk.3.ffn_down_exps.weight"] == T.MXFP4 and types["blk.3.attn_kv.weight"] == T.Q8_0
     assert types["blk.3.attn_sinks.weight"] == T.F32
+
+
+def test_two_bit_experts(tmp_path):
+    """Rows of 256 give the real ds4-q2 expert types; their decoded values keep the N(0, 1/fan_in) spread."""
+    cfg = dataclasses.replace(preset("deepseek4", "tiny"), dim=256, expert_ff=256)
+    path = tmp_path / "q2.gguf"
+    info = synth.write_synthetic(path, cfg, "ds4-q2", progress=False, tokenizer="none")
+    assert not info["fallback_q8_0"]
+    r = gguf.GGUFReader(path)
+    assert ModelConfig.from_metadata(read_metadata(r)) == cfg
+    for t in r.tensors:
+        if t.name.endswith("_exps.weight"):
+            assert t.tensor_type == (T.Q2_K if "down" in t.name else T.IQ2_XXS)
+            x = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            assert np.isfinite(x).all() and 0.7 < x.std() * np.sqrt(256) < 1.4, t.name
 
 
 def test_values_are_sane(files):
