@@ -22,18 +22,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jds41.config import ModelConfig
 from jds41.layers import attention, compressor, indexer
 from jds41.layers.compressor import CompressorSpec
 from jds41.layers.engram import engram_combine
-from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_split
+from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_onehot_pre, hc_split
 from jds41.layers.moe import routed_experts, shared_expert
 from jds41.layers.norm import rms_norm
-from jds41.layers.rope import rope_freqs
+from jds41.layers.rope import layer_rope_freqs
 from jds41.layers.router import route
-from jds41.quant import embed_rows, qmatvec
+from jds41.quant import QTensor, qmatvec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,20 +102,16 @@ def init_state(plan: ModelPlan) -> dict:
     return {"pos": jnp.zeros((), jnp.int32), "layers": layers}
 
 
-@functools.lru_cache(maxsize=None)
-def _freqs(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(window-layer freqs, compressed-layer freqs); YaRN applies to compressed layers only."""
-    yarn = None
-    if cfg.rope_scaling == "yarn":
-        yarn = (cfg.rope_factor, cfg.rope_orig_ctx, cfg.yarn_beta_fast, cfg.yarn_beta_slow)
-    return rope_freqs(cfg.rope_dim, cfg.rope_base, None), rope_freqs(cfg.rope_dim, cfg.compress_rope_base, yarn)
+def embed(w: QTensor, token: jax.Array) -> jax.Array:
+    """One row of the (possibly quantized) embedding table as f32 [D]: only that row's bytes are read."""
+    row = jax.lax.dynamic_index_in_dim(jnp.asarray(w.data), token, 0, keepdims=True)
+    return QTensor(row, w.qtype, (1, w.shape[-1])).dequantize()[0]
 
 
 def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_st: list, h_D, pos, shared: dict):
     """Attention sublayer of layer lp.index on the normed input h_D; updates new_st[lp.index]; returns [D]."""
     cfg = plan.cfg
-    f_win, f_cmp = _freqs(cfg)
-    freqs = jnp.asarray(f_cmp if lp.ratio else f_win)
+    freqs = jnp.asarray(layer_rope_freqs(cfg, lp.index))
     st = dict(st_all[lp.index])
     q, qr = attention.query(cfg, w, h_D, pos, freqs)
     st["ring"] = attention.push_ring(st["ring"], attention.latent(cfg, w, h_D, pos, freqs), pos)
@@ -128,10 +123,11 @@ def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_
                                             prefix="indexer_compressor")
     new_st[lp.index] = st
     if lp.ratio:
-        src = new_st[lp.kv_source]["cmp"]["rows"]  # sources precede their users, so this is this step's rows
+        src_cmp = new_st[lp.kv_source]["cmp"]  # sources precede their users: this step's rows
+        src = src_cmp["rows"]
         visible = compressor.visible_mask(src.shape[0], lp.ratio, pos)
         if lp.latent_index_keys:
-            st["idx"] = _update_latent_keys(cfg, w, st["idx"], src, pos, lp.ratio, freqs)
+            st["idx"] = _update_latent_keys(cfg, w, st["idx"], src_cmp["latent"], pos, lp.ratio, freqs)
             new_st[lp.index] = st
         if lp.index_source < 0:  # HCA: every visible compressed row
             keys.append(src)
@@ -155,12 +151,11 @@ def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_
     return attention.output(cfg, w, o, pos, freqs)
 
 
-def _update_latent_keys(cfg, w, idx_st, rows, pos, ratio, freqs):
-    """V4.1: when the shared source emits row b at this position, derive its index key."""
+def _update_latent_keys(cfg, w, idx_st, latent, pos, ratio, freqs):
+    """V4.1: when the shared source emits row b at this position, derive its index key from the row's latent."""
     block = pos // ratio
     emitted = (pos + 1) % ratio == 0
-    row = jax.lax.dynamic_index_in_dim(rows, block, 0, keepdims=False)
-    key = indexer.index_key_from_latent(w, row, block * ratio, freqs, cfg.rms_eps)
+    key = indexer.index_key_from_latent(w, latent, block * ratio, freqs, cfg.rms_eps)
     old = jax.lax.dynamic_index_in_dim(idx_st["keys"], block, 0, keepdims=False)
     return {"keys": jax.lax.dynamic_update_index_in_dim(idx_st["keys"], jnp.where(emitted, key, old), block, 0)}
 
@@ -187,11 +182,11 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
     """One token through the model: (logits [V], new state). `engram_rows` [n_engram_layers, n_buckets, bytes]."""
     cfg = plan.cfg
     pos = state["pos"]
-    x = jnp.broadcast_to(embed_rows(params["token_embd"], token[None])[0], (cfg.hc_mult, cfg.dim))
+    x = jnp.broadcast_to(embed(params["token_embd"], token), (cfg.hc_mult, cfg.dim))
     new_layers: list = list(state["layers"])
     shared: dict = {}
     # V4.1 lag: each sublayer collapses with the `pre` handed over by the previous sublayer.
-    pre_prev = jnp.zeros((cfg.hc_mult,), jnp.float32).at[0].set(1.0)
+    pre_prev = hc_onehot_pre(cfg.hc_mult)
     for lp in plan.layers:
         w = params["blocks"][lp.index]
         if lp.engram_slot >= 0:

@@ -14,12 +14,11 @@ from __future__ import annotations
 import re
 
 import jax.numpy as jnp
-import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from jds41.checkpoints.schema import Kind, model_tensors
 from jds41.config import ModelConfig
-from jds41.quant import QTensor, dequantize
+from jds41.quant import QTensor
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _GLOBAL = re.compile(r"^(.+)\.(weight|bias)$")
@@ -34,13 +33,12 @@ def param_path(name: str) -> tuple[int, str]:
     return -1, m.group(1)
 
 
-def _leaf(kind: Kind, qtype: T, shape: tuple[int, ...], raw: np.ndarray):
+def _leaf(kind: Kind, qtype: T, shape: tuple[int, ...], model, name: str):
     if kind in (Kind.MATRIX, Kind.EXPERTS):
-        return QTensor.from_raw(raw, qtype, shape)
+        return QTensor.from_raw(model.raw(name), qtype, shape)
     if kind is Kind.INDEX:
-        return jnp.asarray(raw.view(np.int32).reshape(shape))
-    return jnp.asarray(np.asarray(dequantize(raw.reshape(-1, raw.shape[-1]), qtype, (int(np.prod(shape[:-1] or (1,))),
-                                                                                       shape[-1])))).reshape(shape)
+        return jnp.asarray(model.typed(name).reshape(shape))
+    return jnp.asarray(model.typed(name).reshape(shape), dtype=jnp.float32)
 
 
 def load_params(cfg: ModelConfig, model) -> dict:
@@ -50,7 +48,7 @@ def load_params(cfg: ModelConfig, model) -> dict:
         if spec.kind is Kind.ROWS:
             continue
         info = model.tensors[name]
-        leaf = _leaf(spec.kind, info.qtype, spec.shape, model.raw(name))
+        leaf = _leaf(spec.kind, info.ggml_type, spec.shape, model, name)
         layer, short = param_path(name)
         (params["blocks"][layer] if layer >= 0 else params)[short] = leaf
     return params

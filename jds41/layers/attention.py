@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jds41.config import ModelConfig
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
-from jds41.quant import qmatvec
+from jds41.quant import QTensor, qmatvec, qmatvec_experts
 
 
 def init_ring(cfg: ModelConfig) -> dict[str, jax.Array]:
@@ -66,11 +66,8 @@ def output(cfg: ModelConfig, w: dict, o_HK: jax.Array, pos: jax.Array, freqs: ja
     o_HK = apply_rope(o_HK, pos, freqs, inverse=True)
     G, L = cfg.o_groups, cfg.o_lora_rank
     o_GX = o_HK.reshape(G, -1)  # group g = heads g*H/G .. (g+1)*H/G - 1, concatenated
-    wo_a = w["attn_output_a"]  # rows g*L .. (g+1)*L - 1 belong to group g
-    per_group = [qmatvec(o_GX[g], _rows(wo_a, g * L, L)) for g in range(G)]
-    return qmatvec(jnp.concatenate(per_group), w["attn_output_b"])
-
-
-def _rows(wt, start: int, n: int):
-    """Static row block of a weight (plain array or QTensor): GGUF rows are contiguous, so this is a view."""
-    return wt[start:start + n]
+    # W_oa rows g*L .. (g+1)*L - 1 belong to group g: viewed as a [G, L, X] stack, each group is one "expert".
+    wo_a = w["attn_output_a"]
+    stack = QTensor(jnp.asarray(wo_a.data).reshape(G, L, -1), wo_a.qtype, (G, L, wo_a.shape[-1]))
+    o_GL = qmatvec_experts(o_GX, stack, jnp.arange(G, dtype=jnp.int32))
+    return qmatvec(o_GL.reshape(-1), w["attn_output_b"])

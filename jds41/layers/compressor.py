@@ -13,7 +13,8 @@ Owns the compressor's decode state and its one-token update (MODEL.md §2.3, LLA
 The same code serves the attention compressor (width head_dim) and the V4 indexer's own compressor (width
 index_head_dim). State is a dict so the prefix cache can snapshot it as plain arrays:
   kv_buf, score_buf [S, c*W]: the last S = c*r tokens' projections, slot = position mod S (ring);
-  rows [n_rows, W]: every compressed row emitted so far, row b at index b.
+  rows [n_rows, W]: every compressed row emitted so far, row b at index b (normalised and rotated);
+  latent [W]: the newest row before RoPE (V4.1 derives index keys from it in the step that emits it).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def init_state(spec: CompressorSpec) -> dict[str, jax.Array]:
         "kv_buf": jnp.zeros((spec.buf_len, spec.proj_width), jnp.float32),
         "score_buf": jnp.zeros((spec.buf_len, spec.proj_width), jnp.float32),
         "rows": jnp.zeros((spec.n_rows, spec.width), jnp.float32),
+        "latent": jnp.zeros((spec.width,), jnp.float32),
     }
 
 
@@ -92,11 +94,12 @@ def update(spec: CompressorSpec, state: dict, w: dict, h_D: jax.Array, pos: jax.
     block = pos // r
     emitted = (pos + 1) % r == 0
     pooled = _pool(spec, kv_buf, score_buf, block) if spec.has_gate else kv_t
-    row = rms_norm(pooled, w[f"{prefix}_norm"], eps)
-    row = apply_rope(row, block * r, freqs)
+    latent = rms_norm(pooled, w[f"{prefix}_norm"], eps)
+    row = apply_rope(latent, block * r, freqs)
     old = jax.lax.dynamic_index_in_dim(state["rows"], block, 0, keepdims=False)
     rows = jax.lax.dynamic_update_index_in_dim(state["rows"], jnp.where(emitted, row, old), block, 0)
-    return {"kv_buf": kv_buf, "score_buf": score_buf, "rows": rows}, emitted, block
+    latent = jnp.where(emitted, latent, state["latent"])
+    return {"kv_buf": kv_buf, "score_buf": score_buf, "rows": rows, "latent": latent}, emitted, block
 
 
 def visible_mask(n_rows: int, ratio: int, pos: jax.Array) -> jax.Array:
