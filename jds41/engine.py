@@ -1,0 +1,162 @@
+"""The narrow API the CLIs and the server use: open a model, make sessions, generate.
+
+`Engine.open(path)` validates the file, builds the config, tokenizer, parameter pytree and layer plan once;
+`Engine.session()` gives a `Session` that owns its decode state and token history, so callers never see tensors.
+Prompts are read in fixed-size chunks through the jitted `prefill` scan (one compilation for every prompt length)
+and the remainder one token at a time through `decode_step`; both run the same per-token arithmetic.
+
+Engram rows are known from token ids before a step runs, so the session hashes them on the host and reads them
+through the engine's row source (memory-mapped here; the tiers give SSD and host-memory sources later).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds41 import model as M
+from jds41.checkpoints import open_model
+from jds41.errors import Jds41Error
+from jds41.layers.engram_rows import EngramHasher, MmapRowSource, read_step_rows
+from jds41.tokenizer import Tokenizer
+from jds41.weights import load_params
+
+PREFILL_CHUNK = 32  # tokens per prefill scan call: one compiled program serves every prompt length
+
+
+class RequestError(Jds41Error, ValueError):
+    """A request the model cannot serve (bad token ids, prompt past the context): the caller's fault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+class Engine:
+    def __init__(self, path: str, gguf, params: dict, plan: M.ModelPlan, tokenizer: Tokenizer | None,
+                 engram: tuple[EngramHasher, MmapRowSource] | None, load_seconds: float):
+        self.path, self.gguf, self.params, self.plan = path, gguf, params, plan
+        self.cfg = plan.cfg
+        self.tokenizer = tokenizer
+        self.engram = engram
+        self.load_seconds = load_seconds
+
+    @classmethod
+    def open(cls, path: str, max_ctx: int | None = None) -> Engine:
+        t0 = time.perf_counter()
+        gguf = open_model(path)
+        cfg = gguf.config
+        ctx = min(cfg.context_length, max_ctx or 8192)
+        engram = None
+        if cfg.engram is not None:
+            token_map = np.asarray(gguf.metadata[f"{cfg.arch}.engram.token_map"], np.int64)
+            engram = (EngramHasher(cfg.engram, token_map), MmapRowSource.from_model(gguf, cfg.engram))
+        params = load_params(cfg, gguf)
+        return cls(path, gguf, params, M.make_plan(cfg, ctx), Tokenizer.from_metadata(gguf.metadata, path), engram,
+                   time.perf_counter() - t0)
+
+    @property
+    def max_ctx(self) -> int:
+        return self.plan.max_ctx
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def session(self) -> Session:
+        return Session(self)
+
+
+class Session:
+    """One conversation's decode state and token history."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.state = M.init_state(engine.plan)
+        self.tokens: list[int] = []
+
+    # ---- host-side inputs ----------------------------------------------------------------------------------
+    def _engram_rows(self, new_tokens: Sequence[int]) -> jax.Array | None:
+        """Rows of every Engram layer for each new token, [T, n_layers, n_buckets, row_bytes] (uint8)."""
+        if self.engine.engram is None:
+            return None
+        hasher, source = self.engine.engram
+        ids = hasher.row_ids_seq(new_tokens, self.tokens[-(hasher.n - 1):])
+        return jnp.asarray(read_step_rows(source, ids))
+
+    def _check(self, tokens: Sequence[int]) -> None:
+        V = self.engine.vocab_size
+        bad = [t for t in tokens if not 0 <= int(t) < V]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {V})")
+        if len(self.tokens) + len(tokens) > self.engine.max_ctx:
+            raise RequestError(f"this model's maximum context length is {self.engine.max_ctx} tokens, the request "
+                               f"needs {len(self.tokens) + len(tokens)}")
+
+    # ---- model calls ---------------------------------------------------------------------------------------
+    def feed(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
+        """Append tokens; returns the logits after the last one [V] (or after each one, [T, V])."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise RequestError("no tokens to feed")
+        self._check(tokens)
+        eng = self.engine
+        out = []
+        i = 0
+        while len(tokens) - i >= PREFILL_CHUNK:
+            chunk = tokens[i:i + PREFILL_CHUNK]
+            rows = self._engram_rows(chunk)
+            logits, self.state = M.prefill(eng.plan, eng.params, self.state, jnp.asarray(chunk, jnp.int32), rows)
+            out.append(logits if all_logits else logits[-1:])
+            self.tokens += chunk
+            i += PREFILL_CHUNK
+        for t in tokens[i:]:
+            rows = self._engram_rows([t])
+            logits, self.state = M.decode_step(eng.plan, eng.params, self.state, jnp.asarray(t, jnp.int32),
+                                               None if rows is None else rows[0])
+            out.append(logits[None])
+            self.tokens.append(t)
+        result = np.asarray(jnp.concatenate(out), np.float32)
+        return result if all_logits else result[-1]
+
+    def generate(self, prompt: Sequence[int], max_new: int, sampling: SamplingParams = SamplingParams(),
+                 stop_ids: Sequence[int] = (), logits_out: list | None = None) -> Iterator[int]:
+        """Yield up to `max_new` tokens after `prompt`; stops after a token in `stop_ids` (which is yielded)."""
+        logits = self.feed(prompt, all_logits=logits_out is not None)
+        if logits_out is not None:
+            logits_out.extend(logits)
+            logits = logits[-1]
+        rng = np.random.default_rng(sampling.seed)
+        for n in range(max_new):
+            tok = sample(logits, sampling, rng)
+            yield tok
+            if tok in stop_ids or n == max_new - 1 or len(self.tokens) >= self.engine.max_ctx:
+                return
+            logits = self.feed([tok])
+            if logits_out is not None:
+                logits_out.append(logits)
+
+
+def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0 (lowest id on ties, like argmax), else temperature / top-k / top-p sampling."""
+    if p.temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / p.temperature
+    order = np.argsort(-z, kind="stable")
+    if p.top_k > 0:
+        order = order[:p.top_k]
+    probs = np.exp(z[order] - z[order[0]])
+    probs /= probs.sum()
+    if p.top_p < 1.0:
+        keep = np.searchsorted(np.cumsum(probs), p.top_p) + 1
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return int(order[rng.choice(len(order), p=probs)])

@@ -1,0 +1,109 @@
+"""`python -m jds41.generate MODEL (-p TEXT | --tokens ID,ID,...) [-n N] ...`: generate from the command line.
+
+Greedy at temperature 0. Prints the text (or the ids, for a file whose tokenizer is `none`) and the speed; `--json`
+prints one JSON object instead (prompt ids, generated ids, text, timings); `--logits FILE.npy` saves the logits of
+every prompt position followed by one row per decode step ([n_prompt + n_generated - 1, V]: the last generated
+token is never fed back). Bad files, bad token ids and over-long prompts end with a one-line message and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from jds41.engine import Engine, SamplingParams
+from jds41.errors import Jds41Error
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m jds41.generate", description=__doc__.split("\n")[0])
+    ap.add_argument("model", help="GGUF file (any shard of a split file)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="prompt text")
+    src.add_argument("--tokens", help="prompt token ids, comma separated")
+    ap.add_argument("-n", "--n-predict", type=int, default=32, help="tokens to generate (default 32)")
+    ap.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat template")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--ctx", type=int, default=None, help="context size (default min(model context, 8192))")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--logits", metavar="FILE.npy", help="save the logits of every prompt position and step")
+    ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    return ap.parse_args(argv)
+
+
+def _prompt_ids(args: argparse.Namespace, engine: Engine) -> list[int]:
+    tok = engine.tokenizer
+    if args.tokens is not None:
+        try:
+            return [int(t) for t in args.tokens.split(",") if t.strip()]
+        except ValueError:
+            raise Jds41Error(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
+    if tok is None:
+        raise Jds41Error(f"{args.model} has no tokenizer (tokenizer.ggml.model = none): use --tokens")
+    text = args.prompt
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tok.encode(text)
+
+
+def run(args: argparse.Namespace) -> dict:
+    engine = Engine.open(args.model, max_ctx=args.ctx)
+    prompt = _prompt_ids(args, engine)
+    if not prompt:
+        raise Jds41Error("the prompt is empty")
+    tok = engine.tokenizer
+    stop = () if args.ignore_eos or tok is None or tok.eos_id is None else (tok.eos_id,)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    logits: list | None = [] if args.logits else None
+    session = engine.session()
+    t0 = time.perf_counter()
+    out: list[int] = []
+    t_first = None
+    stream = tok.stream() if tok is not None and not args.json else None
+    for t in session.generate(prompt, args.n_predict, sampling, stop, logits):
+        if t_first is None:
+            t_first = time.perf_counter()
+        out.append(t)
+        if stream is not None:
+            print(stream.feed(t), end="", flush=True)
+    t_end = time.perf_counter()
+    if stream is not None:
+        print(stream.flush())
+    if args.logits:
+        np.save(args.logits, np.stack(logits).astype(np.float32))
+    decode_s = t_end - (t_first or t_end)
+    return {
+        "model": args.model, "prompt_tokens": prompt, "tokens": out,
+        "text": tok.decode(out) if tok is not None else None,
+        "timings": {"load_s": round(engine.load_seconds, 3), "prompt_s": round((t_first or t_end) - t0, 3),
+                    "decode_tok_s": round((len(out) - 1) / decode_s, 2) if len(out) > 1 and decode_s > 0 else None},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    try:
+        result = run(args)
+    except Jds41Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    else:
+        if result["text"] is None:
+            print(",".join(map(str, result["tokens"])))
+        t = result["timings"]
+        print(f"[{len(result['prompt_tokens'])} prompt tokens in {t['prompt_s']} s, {len(result['tokens'])} generated,"
+              f" {t['decode_tok_s']} tok/s decode (CPU timings are not speed figures)]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
