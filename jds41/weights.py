@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+import jax
 import jax.numpy as jnp
 from gguf import GGMLQuantizationType as T
 
@@ -41,14 +42,28 @@ def _leaf(kind: Kind, qtype: T, shape: tuple[int, ...], model, name: str):
     return jnp.asarray(model.typed(name).reshape(shape), dtype=jnp.float32)
 
 
-def load_params(cfg: ModelConfig, model) -> dict:
-    """Every non-Engram tensor of `model` (a jds41.checkpoints GGUFModel) as the parameter pytree."""
-    params: dict = {"blocks": [dict() for _ in range(cfg.n_blocks)]}
+def _tree(cfg: ModelConfig, leaf) -> dict:
+    """The pytree of every non-Engram tensor of the schema, each made by `leaf(name, spec)`."""
+    params: dict = {"blocks": [{} for _ in range(cfg.n_blocks)]}
     for name, spec in model_tensors(cfg).items():
         if spec.kind is Kind.ROWS:
             continue
-        info = model.tensors[name]
-        leaf = _leaf(spec.kind, info.ggml_type, spec.shape, model, name)
         layer, short = param_path(name)
-        (params["blocks"][layer] if layer >= 0 else params)[short] = leaf
+        (params["blocks"][layer] if layer >= 0 else params)[short] = leaf(name, spec)
     return params
+
+
+def load_params(cfg: ModelConfig, model) -> dict:
+    """Every non-Engram tensor of `model` (a jds41.checkpoints GGUFModel) as the parameter pytree."""
+    return _tree(cfg, lambda name, spec: _leaf(spec.kind, model.tensors[name].ggml_type, spec.shape, model, name))
+
+
+def abstract_params(cfg: ModelConfig, types: dict[str, T]) -> dict:
+    """The parameter pytree as shapes only (`jax.ShapeDtypeStruct` leaves): `jax.eval_shape` of full-size models
+    without allocating a byte. `types` gives each tensor's storage type by GGUF name."""
+    def leaf(name, spec):
+        if spec.kind in (Kind.MATRIX, Kind.EXPERTS):
+            return QTensor.abstract(types[name], spec.shape)
+        return jax.ShapeDtypeStruct(spec.shape, jnp.int32 if spec.kind is Kind.INDEX else jnp.float32)
+
+    return _tree(cfg, leaf)

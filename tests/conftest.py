@@ -1,0 +1,66 @@
+"""Test-suite policy for the markers of pyproject.toml: what runs where, and what may be skipped.
+
+- `gpu`: skipped (with the reason shown by `-ra`) on a machine where JAX sees no GPU; CI machines have none, GPU
+  results are committed under experiments/results/ instead.
+- `llamacpp`: needs llama-cpp-python 0.3.36 built from source (`.ci/run` installs it). Without it a developer's
+  run skips these tests with the reason; under CI=true a missing llama_cpp is a FAILURE, never a silent skip.
+- `slow`: runs everywhere, CI included (deselect locally with `-m "not slow"`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import pytest
+
+
+def under_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+@functools.cache
+def _has_gpu() -> bool:
+    import jax  # only imported when a gpu-marked test was collected
+
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:  # "Unknown backend gpu" / no devices of that platform
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if any(item.get_closest_marker("gpu") for item in items) and not _has_gpu():
+        skip = pytest.mark.skip(reason="gpu: JAX sees no GPU on this machine")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("llamacpp") and importlib.util.find_spec("llama_cpp") is None:
+        msg = "llamacpp: llama_cpp is not importable (install llama-cpp-python==0.3.36 from source, see .ci/run)"
+        if under_ci():
+            pytest.fail(msg + "; CI=true, so this is a failure, not a skip", pytrace=False)
+        pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def synthetic_model(tmp_path_factory):
+    """`synthetic_model(arch, size, quant="f32", seed=0)` -> path of a synthetic GGUF, written once per session."""
+    from jds41.checkpoints.presets import preset
+    from jds41.checkpoints.synth import write_synthetic
+
+    root = tmp_path_factory.mktemp("models")
+    cache: dict = {}
+
+    def make(arch: str, size: str, quant: str = "f32", seed: int = 0):
+        key = (arch, size, quant, seed)
+        if key not in cache:
+            path = root / f"{arch}-{size}-{quant}-{seed}.gguf"
+            write_synthetic(path, preset(arch, size), quant=quant, seed=seed, progress=False)
+            cache[key] = path
+        return cache[key]
+
+    return make
