@@ -11,7 +11,7 @@ State pytree (plain arrays, so the prefix cache can snapshot it):
   layers[i].ring                window ring: kv [window, HD], pos [window] (-1 = empty)
   layers[i].cmp                 the layer's own KV compressor (compressor.py) when it has one
   layers[i].idx                 V4: the indexer's own compressor (its rows are the index keys);
-                                V4.1 index sources: {"keys": [n_rows, ID]} built from the shared latent
+                                V4.1 kv sources: {"keys": [n_rows, ID]} built from the rows they emit
 Engram n-gram history lives with the host-side hasher (it is known from token ids before the step runs).
 """
 
@@ -46,7 +46,7 @@ class LayerPlan:
     kv_source: int  # layer whose compressed rows this layer reads (-1: window only)
     index_source: int  # layer whose indexer top-k this layer uses (-1: all visible rows)
     runs_indexer: bool
-    latent_index_keys: bool  # V4.1: index keys derived from the shared latent at this layer
+    latent_index_keys: bool  # V4.1 kv source: derives index keys from the rows it emits
     candidate_source: bool  # V4.1: this layer picks the candidate blocks
     uses_candidates: bool  # V4.1: this layer's indexer is restricted to the candidate blocks
     engram_slot: int  # position in cfg.engram.layer_ids, -1 if none
@@ -79,7 +79,7 @@ def make_plan(cfg: ModelConfig, max_ctx: int) -> ModelPlan:
         cand = cfg.candidate_source_layer_id
         layers.append(LayerPlan(
             index=i, ratio=r, cmp=cmp, idx_cmp=idx_cmp, kv_source=cfg.kv_source(i), index_source=cfg.index_source(i),
-            runs_indexer=runs_indexer, latent_index_keys=runs_indexer and cfg.shared_kv,
+            runs_indexer=runs_indexer, latent_index_keys=cmp is not None and cfg.shared_kv,
             candidate_source=cfg.shared_kv and i == cand,
             uses_candidates=cfg.shared_kv and cand >= 0 and i > cand and runs_indexer,
             engram_slot=cfg.engram.layer_ids.index(i) if cfg.is_engram_layer(i) else -1,
@@ -121,20 +121,18 @@ def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_
     if lp.idx_cmp is not None:
         st["idx"], _, _ = compressor.update(lp.idx_cmp, st["idx"], w, h_D, pos, freqs, cfg.rms_eps,
                                             prefix="indexer_compressor")
-    new_st[lp.index] = st
+    if lp.latent_index_keys:
+        st["idx"] = _update_latent_keys(cfg, w, st["idx"], st["cmp"]["latent"], pos, lp.ratio, freqs)
+    new_st[lp.index] = st  # before reading sources: a layer may be its own kv source
     if lp.ratio:
-        src_cmp = new_st[lp.kv_source]["cmp"]  # sources precede their users: this step's rows
-        src = src_cmp["rows"]
+        src = new_st[lp.kv_source]["cmp"]["rows"]  # sources precede their users: this step's rows
         visible = compressor.visible_mask(src.shape[0], lp.ratio, pos)
-        if lp.latent_index_keys:
-            st["idx"] = _update_latent_keys(cfg, w, st["idx"], src_cmp["latent"], pos, lp.ratio, freqs)
-            new_st[lp.index] = st
         if lp.index_source < 0:  # HCA: every visible compressed row
             keys.append(src)
             valid.append(visible)
         else:
             if lp.runs_indexer:
-                index_keys = st["idx"]["rows"] if lp.idx_cmp is not None else st["idx"]["keys"]
+                index_keys = st["idx"]["rows"] if lp.idx_cmp is not None else new_st[lp.kv_source]["idx"]["keys"]
                 scores = indexer.index_scores(w, qr, h_D, index_keys, pos, freqs, cfg.index_n_heads,
                                               cfg.index_head_dim)
                 allowed = visible

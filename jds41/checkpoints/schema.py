@@ -119,11 +119,13 @@ def _compressor_and_indexer(cfg: ModelConfig, i: int, t) -> list[TensorSpec]:
         if not cfg.shared_kv:  # V4.1's ratio-2 pool has no position embedding
             out.append(t("attn_compressor_ape.weight", (r, c * HD), Kind.VECTOR))
         out.append(t("attn_compressor_norm.weight", (HD,), Kind.VECTOR))
+    if cfg.shared_kv and cfg.has_compressor(i):
+        # V4.1: index keys are derived from the shared compressed latent where it is made, so the key projection
+        # lives on the kv-source layers (the checkpoint has 4 `wk` for 8 `wq_b`); index layers read their source's.
+        out += [t("indexer.attn_k.weight", (ID, HD), Kind.MATRIX), t("indexer.k_norm.weight", (ID,), Kind.VECTOR)]
     if cfg.has_indexer(i):
         out += [t("indexer.proj.weight", (IH, D), Kind.MATRIX), t("indexer.attn_q_b.weight", (IH * ID, QL), Kind.MATRIX)]
-        if cfg.shared_kv:  # index keys come from the shared compressed latent (MODEL.md §2.3, V4.1)
-            out += [t("indexer.attn_k.weight", (ID, HD), Kind.MATRIX), t("indexer.k_norm.weight", (ID,), Kind.VECTOR)]
-        else:  # its own overlapped ratio-4 compressor
+        if not cfg.shared_kv:  # its own overlapped ratio-4 compressor
             out += [t("indexer_compressor_kv.weight", (2 * ID, D), Kind.MATRIX),
                     t("indexer_compressor_gate.weight", (2 * ID, D), Kind.MATRIX),
                     t("indexer_compressor_ape.weight", (4, 2 * ID), Kind.VECTOR),
