@@ -75,6 +75,15 @@ class Engine:
     def session(self) -> Session:
         return Session(self)
 
+    def engram_rows(self, new_tokens: Sequence[int], history: Sequence[int]) -> np.ndarray | None:
+        """Rows of every Engram layer for each new token after `history` (only its last n-1 ids are read),
+        [T, n_layers, n_buckets, row_bytes] uint8 on the host; None for a model without Engram. Sessions and the
+        scheduler's slots share this, so a token gets the same rows however it is batched."""
+        if self.engram is None:
+            return None
+        hasher, source = self.engram
+        return read_step_rows(source, hasher.row_ids_seq(new_tokens, history[max(0, len(history) - (hasher.n - 1)):]))
+
 
 class Session:
     """One conversation's decode state and token history."""
@@ -87,11 +96,8 @@ class Session:
     # ---- host-side inputs ----------------------------------------------------------------------------------
     def _engram_rows(self, new_tokens: Sequence[int]) -> jax.Array | None:
         """Rows of every Engram layer for each new token, [T, n_layers, n_buckets, row_bytes] (uint8)."""
-        if self.engine.engram is None:
-            return None
-        hasher, source = self.engine.engram
-        ids = hasher.row_ids_seq(new_tokens, self.tokens[-(hasher.n - 1):])
-        return jnp.asarray(read_step_rows(source, ids))
+        rows = self.engine.engram_rows(new_tokens, self.tokens)
+        return None if rows is None else jnp.asarray(rows)
 
     def _check(self, tokens: Sequence[int]) -> None:
         V = self.engine.vocab_size

@@ -1,0 +1,318 @@
+"""Serving scheduler: N slots, a bounded FIFO queue, continuous batching on one background thread.
+
+The HTTP layer (jds41/serve/) only sees this API: `Scheduler.submit(GenRequest) -> Handle`, whose `events()`
+yields `Token`s then one `Finished` (or one `Failed`), and `Handle.cancel()`. Each loop iteration
+  1. drops cancelled requests (running or waiting) and frees their slots,
+  2. admits waiting requests into free slots, first come first served,
+  3. prefills admitted prompts through a per-request `Session` (at most `prefill_budget` prompt tokens per
+     iteration, so a long prompt does not stall the running requests for its whole length), writing a finished
+     prefill's state into its slot of the stacked state,
+  4. runs ONE `batching.batched_step` for all slots and samples each running request's next token on the host
+     with its own RNG (`engine.sample`), exactly as `Session.generate` does.
+Token ids, Engram rows and sampling stay on the host; the device only ever sees the fixed-shape batched step.
+
+Counting: a stop token is sampled and counted (completion_tokens, generation_tokens_total) like any other, but
+it is not sent as a `Token` event: it is not part of the output text. `max_tokens` is clamped to the context
+left after the prompt (prompt + completion <= max_ctx); reaching either limit finishes with "length".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from jds41 import batching
+from jds41.engine import PREFILL_CHUNK, Engine, RequestError, SamplingParams, Session, sample
+from jds41.handles import (
+    ContextTooLong,
+    Event,
+    Failed,
+    Finished,
+    GenRequest,
+    Handle,
+    QueueFull,
+    SchedulerStats,
+    Token,
+    Unavailable,
+)
+
+__all__ = ["ContextTooLong", "Event", "Failed", "Finished", "GenRequest", "Handle", "QueueFull", "RequestError",
+           "SamplingParams", "Scheduler", "SchedulerStats", "Token", "Unavailable"]
+
+log = logging.getLogger(__name__)
+
+PREFILL_BUDGET = 8 * PREFILL_CHUNK  # prompt tokens prefilled per iteration, across all admitted requests
+
+
+@dataclasses.dataclass
+class _Slot:
+    """A request in a slot: prefilling while `session` is set, then decoding with `pending` to feed next."""
+
+    handle: Handle
+    limit: int  # max_tokens clamped to the context left after the prompt
+    rng: np.random.Generator
+    t_submit: float
+    t_admit: float
+    session: Session | None
+    fed: int = 0  # prompt tokens prefilled so far
+    history: list[int] = dataclasses.field(default_factory=list)  # newest ids, for the Engram hash
+    pending: int | None = None
+    generated: int = 0
+    t_first: float | None = None
+    t_last: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, n_slots: int = 4, max_queue: int = 64, prefill_budget: int = PREFILL_BUDGET):
+        if n_slots < 1 or max_queue < 0 or prefill_budget < 1:
+            raise ValueError("n_slots and prefill_budget must be >= 1, max_queue >= 0")
+        self.engine, self.n_slots, self.max_queue, self.prefill_budget = engine, n_slots, max_queue, prefill_budget
+        self.stats = SchedulerStats(n_slots=n_slots)
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[tuple[Handle, float]] = collections.deque()
+        self._slots: list[_Slot | None] = [None] * n_slots
+        self._states: dict | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._admitted = itertools.count()
+        # Engram hashes look back max_ngram - 1 ids; a free slot's dummy step needs rows of the right shape.
+        self._history_len = engine.engram[0].n - 1 if engine.engram is not None else 0
+        rows = engine.engram_rows([0], [])
+        self._dummy_rows = None if rows is None else rows[0]
+
+    # ---- caller side ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._states = batching.init_slots(self.engine.plan, self.n_slots)
+        self._thread = threading.Thread(target=self._run, name="jds41-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        """End the loop; every request still running or waiting gets Failed."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self._cv:
+            for i, s in enumerate(self._slots):
+                if s is not None:
+                    self._fail(i, "the server is shutting down")
+            while self._waiting:
+                self._waiting.popleft()[0]._put(Failed("the server is shutting down"))
+            self._update_gauges()
+
+    def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        """Queue a request. Raises RequestError (ContextTooLong) for a bad request, QueueFull / Unavailable."""
+        self._validate(req)
+        if loop is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None  # bound later by events(), or consumed with iter_events()
+        handle = Handle(req, loop, self._wake)
+        with self._cv:
+            if self._stopping:
+                raise Unavailable("the server is shutting down")
+            # Requests the next iteration admits into free slots do not count against the queue bound.
+            free = sum(s is None for s in self._slots)
+            if len(self._waiting) >= self.max_queue + free:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting")
+            self._waiting.append((handle, time.perf_counter()))
+            self._update_gauges()
+            self._cv.notify_all()
+        return handle
+
+    def _validate(self, req: GenRequest) -> None:
+        V, ctx = self.engine.vocab_size, self.engine.max_ctx
+        if not req.prompt:
+            raise RequestError("the prompt is empty")
+        for t in itertools.chain(req.prompt, req.stop_ids):
+            if not isinstance(t, (int, np.integer)) or not 0 <= t < V:
+                raise RequestError(f"token id {t!r} is outside the vocabulary [0, {V})")
+        if len(req.prompt) >= ctx:
+            raise ContextTooLong(len(req.prompt), ctx)
+        if req.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {req.max_tokens}")
+        if not 0 <= req.logprobs <= V:
+            raise RequestError(f"logprobs must be in [0, {V}], got {req.logprobs}")
+
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stopping and not self._waiting and not any(self._slots):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+            try:
+                self._iteration()
+            except Exception as e:  # a bug outside the per-request guards: fail what is running, keep serving
+                log.exception("scheduler iteration failed")
+                with self._cv:
+                    for i, s in enumerate(self._slots):
+                        if s is not None:
+                            self._fail(i, f"internal error: {e}")
+                    self._update_gauges()
+                self._states = batching.init_slots(self.engine.plan, self.n_slots)
+
+    def _iteration(self) -> None:
+        with self._cv:
+            self._reap_cancelled()
+            self._admit()
+        self._prefill()
+        self._decode()
+        with self._cv:
+            self._update_gauges()
+
+    def _reap_cancelled(self) -> None:
+        now = time.perf_counter()
+        for i, s in enumerate(self._slots):
+            if s is not None and s.handle.cancelled:
+                self._finish(i, "cancelled", now)
+        kept = collections.deque()
+        for handle, t_submit in self._waiting:
+            if handle.cancelled:
+                e2e = now - t_submit
+                handle._put(Finished("cancelled", len(handle.request.prompt), 0, e2e, e2e, e2e))
+                self.stats.request_success_total["cancelled"] += 1
+            else:
+                kept.append((handle, t_submit))
+        self._waiting = kept
+
+    def _admit(self) -> None:
+        now = time.perf_counter()
+        for i in range(self.n_slots):
+            if self._slots[i] is None and self._waiting:
+                handle, t_submit = self._waiting.popleft()
+                req = handle.request
+                self._slots[i] = _Slot(handle=handle, limit=min(req.max_tokens, self.engine.max_ctx - len(req.prompt)),
+                                       rng=np.random.default_rng(req.sampling.seed), t_submit=t_submit, t_admit=now,
+                                       session=self.engine.session())
+                self.stats.queue_s.append(now - t_submit)
+                self._update_gauges()
+
+    def _prefill(self) -> None:
+        """Feed admitted prompts, oldest admission first, up to `prefill_budget` tokens in this iteration."""
+        budget = self.prefill_budget
+        prefilling = sorted((s.t_admit, i) for i, s in enumerate(self._slots) if s is not None and s.session)
+        for _, i in prefilling:
+            if budget <= 0:
+                break
+            s = self._slots[i]
+            prompt = s.handle.request.prompt
+            n = min(len(prompt) - s.fed, budget)
+            if n < len(prompt) - s.fed and n >= PREFILL_CHUNK:
+                n -= n % PREFILL_CHUNK  # whole chunks go through the scan; only a prompt's tail is fed by steps
+            budget -= n
+            try:
+                logits = s.session.feed(prompt[s.fed:s.fed + n])
+                s.fed += n
+                if s.fed < len(prompt):
+                    continue
+                self._states = batching.write_slot(self._states, jnp.int32(i), s.session.state)
+                s.history = s.session.tokens[-self._history_len:] if self._history_len else []
+                s.session = None  # its state now lives in the slot; drop the copy
+                self.stats.prompt_tokens_total += len(prompt)
+                self._accept(i, logits)
+            except Exception as e:
+                log.exception("prefill failed for %s", s.handle.id)
+                self._fail(i, f"prefill failed: {e}")
+
+    def _decode(self) -> None:
+        live = [i for i, s in enumerate(self._slots) if s is not None and s.pending is not None]
+        if not live:
+            return
+        tokens = np.zeros(self.n_slots, np.int32)  # free and prefilling slots step a dummy token 0
+        rows = None if self._dummy_rows is None else np.repeat(self._dummy_rows[None], self.n_slots, axis=0)
+        try:
+            for i in live:
+                s = self._slots[i]
+                tokens[i] = s.pending
+                if rows is not None:
+                    rows[i] = self.engine.engram_rows([s.pending], s.history)[0]
+                if self._history_len:
+                    s.history = (s.history + [s.pending])[-self._history_len:]
+                s.pending = None
+            logits, self._states = batching.batched_step(self.engine.plan, self.engine.params, self._states,
+                                                         jnp.asarray(tokens), None if rows is None else jnp.asarray(rows))
+            logits = np.asarray(logits, np.float32)
+        except Exception as e:  # the donated state may be gone: fail the slots that lived in it, start afresh
+            log.exception("batched step failed")
+            for i, s in enumerate(self._slots):
+                if s is not None and s.session is None:
+                    self._fail(i, f"decode failed: {e}")
+            self._states = batching.init_slots(self.engine.plan, self.n_slots)
+            return
+        for i in live:
+            try:
+                self._accept(i, logits[i])
+            except Exception as e:
+                log.exception("sampling failed for %s", self._slots[i].handle.id)
+                self._fail(i, f"sampling failed: {e}")
+
+    # ---- per request ---------------------------------------------------------------------------------------
+    def _accept(self, i: int, logits: np.ndarray) -> None:
+        """Sample slot i's next token from its logits and decide whether the request goes on."""
+        s = self._slots[i]
+        req = s.handle.request
+        tok = sample(logits, req.sampling, s.rng)
+        now = time.perf_counter()
+        s.generated += 1
+        self.stats.generation_tokens_total += 1
+        if s.t_first is None:
+            s.t_first = now
+            self.stats.ttft_s.append(now - s.t_submit)
+        else:
+            self.stats.itl_s.append(now - s.t_last)
+        s.t_last = now
+        if tok in req.stop_ids:
+            self._finish(i, "stop", now)
+            return
+        s.handle._put(Token(tok, *_logprobs(logits, tok, req.logprobs)) if req.logprobs else Token(tok))
+        if s.generated >= s.limit:
+            self._finish(i, "length", now)
+        else:
+            s.pending = tok
+
+    def _finish(self, i: int, reason: str, now: float) -> None:
+        s = self._slots[i]
+        e2e = now - s.t_submit
+        ttft = e2e if s.t_first is None else s.t_first - s.t_submit
+        s.handle._put(Finished(reason, len(s.handle.request.prompt), s.generated, s.t_admit - s.t_submit, ttft, e2e))
+        self.stats.request_success_total[reason] += 1
+        if reason != "cancelled":
+            self.stats.e2e_s.append(e2e)
+        self._slots[i] = None
+
+    def _fail(self, i: int, message: str) -> None:
+        self._slots[i].handle._put(Failed(message))
+        self.stats.request_failure_total += 1
+        self._slots[i] = None
+
+    def _update_gauges(self) -> None:
+        self.stats.running = sum(s is not None for s in self._slots)
+        self.stats.waiting = len(self._waiting)
+
+
+def _logprobs(logits: np.ndarray, tok: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """The sampled token's log-softmax and the top-n (id, logprob), best first (lower id first on ties)."""
+    z = logits.astype(np.float64)
+    lse = z.max() + np.log(np.exp(z - z.max()).sum())
+    n = min(n, len(z))
+    top = np.argpartition(-z, n - 1)[:n]
+    top = top[np.lexsort((top, -z[top]))]
+    return float(z[tok] - lse), [(int(t), float(z[t] - lse)) for t in top]
