@@ -30,7 +30,7 @@ import numpy as np
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 LLAMACPP_VERSION = "0.3.36"  # the vendored llama.cpp that LLAMACPP_DEEPSEEK4.md describes
 STDERR_TAIL_CHARS = 4000
-REASON = re.compile(r"GGML_ASSERT|error|failed|llamacpp_worker:|Traceback|abort", re.IGNORECASE)
+REASON = re.compile(r"GGML_ASSERT|error|failed|llamacpp_worker:|Traceback", re.IGNORECASE)
 
 
 class LlamaCppError(RuntimeError):

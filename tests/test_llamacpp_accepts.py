@@ -8,15 +8,19 @@ tokens, so the ratio-128 HCA layer has a compressed row and the ratio-4 indexer 
 Beyond "it runs", each file's logits must behave like one causal model: the 5-token rows equal the first 5 rows of
 the 140-token run, one-token-at-a-time decoding equals the batched prompt (F32: LLAMACPP_DEEPSEEK4.md §3 measured
 <= 5e-6), and greedy decode equals the argmax of a full forward over the grown prefix. The oracle's error path is
-checked on a truncated file.
+checked on a truncated file (load error) and on one that makes llama.cpp abort.
 """
 
 from __future__ import annotations
 
+import signal
+
 import llamacpp_oracle as oracle  # tests/ is on sys.path under pytest (rootdir-less test dir, prepend mode)
 import numpy as np
 import pytest
+from gguf_surgery import key_field, patch, write_bytes
 
+from jds41.checkpoints import read_header
 from jds41.checkpoints.presets import preset
 from jds41.checkpoints.synth import write_synthetic
 
@@ -100,10 +104,21 @@ def test_mtp_block_loads_and_changes_nothing(tmp_path, tiny_files, cfg):
 
 
 def test_oracle_reports_a_rejected_file(tiny_files, tmp_path, cfg):
+    """A load error (truncated file) comes back as exit status 3 with llama.cpp's own reason."""
     data = tiny_files["f32"].read_bytes()
-    cut = tmp_path / "truncated.gguf"
-    cut.write_bytes(data[: len(data) // 2])
+    cut = write_bytes(tmp_path / "truncated.gguf", data[: len(data) // 2])
     with pytest.raises(oracle.LlamaCppError) as err:
         oracle.logits(cut, _tokens(cfg, 3))
-    assert err.value.returncode != 0
-    assert "model load" in str(err.value) and err.value.stderr_tail.strip(), str(err.value)
+    assert err.value.returncode == 3 and "model load failed" in str(err.value)
+    assert any("not within the file bounds" in r for r in err.value.reasons), str(err.value)
+
+
+def test_oracle_survives_an_abort(tiny_files, tmp_path, cfg):
+    """head_count_kv 4 makes llama.cpp abort at graph build (LLAMACPP_DEEPSEEK4.md §5): SIGABRT, assert named."""
+    data = tiny_files["f32"].read_bytes()
+    pos = key_field(read_header(tiny_files["f32"]), "deepseek4.attention.head_count_kv", "value")
+    bad = write_bytes(tmp_path / "kv4.gguf", patch(data, pos, "<I", 4))
+    with pytest.raises(oracle.LlamaCppError) as err:
+        oracle.logits(bad, _tokens(cfg, 3))
+    assert err.value.returncode == -signal.SIGABRT, str(err.value)
+    assert any("GGML_ASSERT" in r for r in err.value.reasons), str(err.value)
