@@ -1,0 +1,20 @@
+"""Quantized GGUF tensors in JAX: bit-exact dequantizers, the `QTensor` leaf, and products on quantized bytes.
+
+Supported types: F32, F16, BF16, Q8_0, Q4_K, Q2_K, IQ2_XXS, MXFP4 (DESIGN.md §1). `blocks` owns the byte layouts
+and `dequantize`; `qtensor` owns `QTensor` and `qmatvec`/`qmatmul`/`qmatvec_experts`; `random_blocks` (numpy only,
+not re-exported here) writes valid blocks for tests and synthetic model files.
+"""
+
+from jds41.quant.blocks import SUPPORTED_TYPES, block_size, dequantize, row_bytes
+from jds41.quant.qtensor import QTensor, qmatmul, qmatvec, qmatvec_experts
+
+__all__ = [
+    "SUPPORTED_TYPES",
+    "QTensor",
+    "block_size",
+    "dequantize",
+    "qmatmul",
+    "qmatvec",
+    "qmatvec_experts",
+    "row_bytes",
+]

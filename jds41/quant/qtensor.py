@@ -1,0 +1,191 @@
+"""`QTensor`, the weight leaf type for GGUF tensors, and the products that read only its quantized bytes.
+
+Owns: the `QTensor` pytree (raw GGUF rows as the one array leaf; type and logical shape as static data), and
+`qmatvec` (decode), `qmatmul` (prefill) and `qmatvec_experts` (routed experts gathered by index).
+
+Memory policy (DESIGN.md §1, §7): experts stay quantized in every tier and are never materialized as f32 for decode.
+A `dot` does not take a dequantize into its fusion, so the one-token products are multiply-and-sum over out-major
+`[.., out, in]` weights with no batch-1 axis on the weight (the `[1, out, in]` form measured 90x slower).
+
+How that sum is spelled matters on XLA:CPU (jax 0.10.2), where two passes break the fusion of a plain `jnp.sum`
+over a long row: YNNPACK claims any f32 add-reduce together with its multiply but cannot take bit ops, selects or
+gathers, so an MXFP4/IQ decode left outside it was written out as a full f32 weight; and with YNNPACK off, the
+tree reduction rewriter splits reductions wider than 32 into a reduce-window that again materializes its input.
+So on CPU `_row_dot` sums each 32-value block as one two-operand (variadic) reduce over 16 lanes: neither pass
+touches a variadic reduce, XLA's loop emitter fuses the whole decode into it, and only `[.., out, in/32]` partial
+sums reach memory. Other platforms get the plain sum, which XLA:GPU fuses and runs 3-5x faster there (H200).
+tests/test_quant_hlo.py checks the compiled HLO on whichever backend runs it.
+
+Only `qmatmul` with several tokens dequantizes to an f32 copy and calls `dot`: the copy is shared by the tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType
+from jax import lax
+
+from jds41.quant.blocks import (
+    FLOAT_TYPES,
+    NATIVE_DTYPES,
+    byte_shape,
+    check_qtype,
+    dequantize_rows,
+    n_cols_of,
+    native_to_f32,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+    """A GGUF tensor kept as stored. `shape` is the logical numpy-order shape, e.g. `[out, in]` or `[E, out, in]`.
+
+    `data` is uint8 `[*shape[:-1], row_bytes]` for block types, or the values in their native dtype (float32,
+    float16, bfloat16) for F32/F16/BF16. It may be a numpy array (zero-copy over a memory-mapped file), a jax
+    array with any placement, or a `jax.ShapeDtypeStruct` (see `abstract`). The products below derive the shape
+    they compute with from `data`, so a QTensor whose leaf was sliced by `lax.scan`/`vmap` (its static `shape`
+    then still naming the stacked tensor) computes correctly.
+    """
+
+    data: Any
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+
+    @classmethod
+    def from_raw(cls, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> QTensor:
+        """Wrap a tensor's bytes as they sit in the GGUF file (any array holding exactly those bytes).
+
+        No copy for a contiguous numpy array or memmap: the bytes are reshaped, and float types are viewed as
+        their native dtype. `gguf.GGUFReader`'s `tensor.data` can be passed as is.
+        """
+        qtype = check_qtype(qtype)
+        shape = tuple(int(s) for s in shape)
+        raw = np.asarray(raw)
+        if qtype in FLOAT_TYPES:
+            dtype = NATIVE_DTYPES[qtype]
+            if raw.dtype != dtype:
+                raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1).view(dtype)
+            if raw.size != math.prod(shape):
+                raise ValueError(f"{qtype.name} tensor of shape {shape} needs {math.prod(shape)} values, got {raw.size}")
+            return cls(raw.reshape(shape), qtype, shape)
+        want = byte_shape(qtype, shape)
+        if raw.nbytes != math.prod(want):
+            raise ValueError(f"{qtype.name} tensor of shape {shape} needs {math.prod(want)} bytes, got {raw.nbytes}")
+        if raw.dtype != np.uint8:
+            raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        return cls(raw.reshape(want), qtype, shape)
+
+    @classmethod
+    def abstract(cls, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> QTensor:
+        """The same tensor with a `jax.ShapeDtypeStruct` leaf: for `jax.eval_shape` and planning, no bytes."""
+        qtype = check_qtype(qtype)
+        shape = tuple(int(s) for s in shape)
+        if qtype in FLOAT_TYPES:
+            return cls(jax.ShapeDtypeStruct(shape, NATIVE_DTYPES[qtype]), qtype, shape)
+        return cls(jax.ShapeDtypeStruct(byte_shape(qtype, shape), np.uint8), qtype, shape)
+
+    @property
+    def n_cols(self) -> int:
+        """Logical length of a row (the `in` dimension of a weight), from the leaf actually held."""
+        return self.data.shape[-1] if self.qtype in FLOAT_TYPES else n_cols_of(self.qtype, self.data.shape[-1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage the leaf holds (what a tier budget counts)."""
+        return math.prod(self.data.shape) * np.dtype(self.data.dtype).itemsize
+
+    def dequantize(self) -> jax.Array:
+        """All values as f32, shape `data.shape[:-1] + (n_cols,)`. Traceable; materializes f32 unless fused."""
+        return _values(self.data, self.qtype)
+
+
+jax.tree_util.register_dataclass(QTensor, data_fields=["data"], meta_fields=["qtype", "shape"])
+
+
+def _values(data, qtype: GGMLQuantizationType) -> jax.Array:
+    data = jnp.asarray(data)
+    if qtype in FLOAT_TYPES:
+        return native_to_f32(data, qtype)
+    return dequantize_rows(data, qtype)
+
+
+def _add_pairs(a, b):
+    return a[0] + b[0], a[1] + b[1]
+
+
+def _row_dot_xla_cpu(p: jax.Array) -> jax.Array:
+    n = p.shape[-1]
+    if n % 32:  # only float tensors can have such rows, and they have no decode to keep fused
+        return jnp.sum(p, axis=-1)
+    p = p.reshape(*p.shape[:-1], n // 32, 2, 16)
+    zero = np.float32(0)
+    lo, hi = lax.reduce((p[..., 0, :], p[..., 1, :]), (zero, zero), _add_pairs, (p.ndim - 2,))
+    return jnp.sum(lo + hi, axis=-1)  # [.., in/32] partials: small enough for any reduce strategy
+
+
+def _row_dot(w_RI: jax.Array, x_RI: jax.Array) -> jax.Array:
+    """sum_i w[..., i] * x[..., i] in f32 (`x` broadcasts against `w`), spelled to stay fused with `w`'s decode.
+
+    The spelling is chosen when lowering, per platform: XLA:CPU needs the variadic block sum (module docstring);
+    on an H200 that form ran 3-5x slower than a plain `jnp.sum`, which XLA:GPU already fuses with the decode.
+    """
+    return lax.platform_dependent(w_RI * x_RI, cpu=_row_dot_xla_cpu, default=lambda p: jnp.sum(p, axis=-1))
+
+
+def _check_in(x: jax.Array, w: QTensor, what: str) -> None:
+    if x.shape[-1] != w.n_cols:
+        raise ValueError(f"{what}: input has {x.shape[-1]} features, weight {w.qtype.name} rows have {w.n_cols}")
+
+
+def qmatvec(x_in: jax.Array, w: QTensor) -> jax.Array:
+    """y[o] = sum_i W[o, i] x[i] for one token; `w` logical `[out, in]`. f32 result, f32 accumulation.
+
+    Dequantize, multiply and reduce form one fusion, so the only weight bytes touched are the quantized ones.
+    """
+    if x_in.ndim != 1 or len(w.data.shape) != 2:
+        raise ValueError(f"qmatvec takes x[in] and a 2-d weight, got x{list(x_in.shape)} and w{list(w.data.shape)}")
+    _check_in(x_in, w, "qmatvec")
+    return _row_dot(_values(w.data, w.qtype), x_in.astype(jnp.float32))
+
+
+def qmatmul(x_TD: jax.Array, w: QTensor, *, precision=lax.Precision.HIGHEST) -> jax.Array:
+    """y[t, o] = sum_d W[o, d] x[t, d] for T tokens; `w` logical `[out, in]`. f32 result, f32 accumulation.
+
+    T == 1 (static) takes the fused `qmatvec` path. Otherwise the weight is dequantized once to f32 and fed to a
+    `dot`: on CPU XLA cannot fuse the two, and the copy is shared by all T tokens. `precision` defaults to HIGHEST
+    so GPUs do not drop to TF32; pass DEFAULT to allow it.
+    """
+    if x_TD.ndim != 2:
+        raise ValueError(f"qmatmul takes x[T, in], got x{list(x_TD.shape)}")
+    _check_in(x_TD, w, "qmatmul")
+    if x_TD.shape[0] == 1:
+        return qmatvec(x_TD[0], w)[None]
+    w_OD = _values(w.data, w.qtype)
+    return jnp.einsum("td,od->to", x_TD.astype(jnp.float32), w_OD, precision=precision,
+                      preferred_element_type=jnp.float32)
+
+
+def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array) -> jax.Array:
+    """y[k, o] = sum_i W[idx[k], o, i] x[(k,) i]; `w_stack` logical `[E, out, in]`, result f32 `[K, out]`.
+
+    `x` is `[in]` (one token shared by its K routed experts: gate/up) or `[K, in]` (one input per expert: down).
+    Only the K selected experts' quantized rows are gathered (raw bytes, clamped indices), then dequantized inside
+    the multiply-reduce fusion, so no f32 copy of even one expert is made.
+    """
+    if len(w_stack.data.shape) != 3 or expert_idx_K.ndim != 1 or x.ndim not in (1, 2):
+        raise ValueError(f"qmatvec_experts takes x[in] or x[K, in], w[E, out, in] and idx[K]; got x{list(x.shape)},"
+                         f" w{list(w_stack.data.shape)}, idx{list(expert_idx_K.shape)}")
+    _check_in(x, w_stack, "qmatvec_experts")
+    K = expert_idx_K.shape[0]
+    if x.ndim == 2 and x.shape[0] != K:
+        raise ValueError(f"qmatvec_experts: x has {x.shape[0]} rows for {K} experts")
+    raw_KOR = jnp.take(jnp.asarray(w_stack.data), expert_idx_K, axis=0, mode="clip")
+    w_KOI = _values(raw_KOR, w_stack.qtype)
+    x_KI = x.astype(jnp.float32).reshape(-1, x.shape[-1])  # [1 or K, in]
+    return _row_dot(w_KOI, x_KI[:, None, :])
