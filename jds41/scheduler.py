@@ -19,12 +19,14 @@ left after the prompt (prompt + completion <= max_ctx); reaching either limit fi
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import dataclasses
 import itertools
 import logging
 import threading
 import time
+import weakref
 
 import jax.numpy as jnp
 import numpy as np
@@ -50,6 +52,16 @@ __all__ = ["ContextTooLong", "Event", "Failed", "Finished", "GenRequest", "Handl
 log = logging.getLogger(__name__)
 
 PREFILL_BUDGET = 8 * PREFILL_CHUNK  # prompt tokens prefilled per iteration, across all admitted requests
+
+# A daemon thread still inside XLA when the interpreter finalizes aborts the process ("FATAL: exception not
+# rethrown"), so schedulers left running are stopped at exit. Held weakly: a dropped scheduler is not kept alive.
+_RUNNING: weakref.WeakSet[Scheduler] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for sched in list(_RUNNING):
+        sched.stop()
 
 
 @dataclasses.dataclass
@@ -82,34 +94,50 @@ class Scheduler:
         self._states: dict | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self._admitted = itertools.count()
         # Engram hashes look back max_ngram - 1 ids; a free slot's dummy step needs rows of the right shape.
         self._history_len = engine.engram[0].n - 1 if engine.engram is not None else 0
         rows = engine.engram_rows([0], [])
         self._dummy_rows = None if rows is None else rows[0]
 
     # ---- caller side ---------------------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Compile every program a request runs (prefill scan, one-token step, slot write, batched step) now,
+        e.g. while the server still answers 503 loading, so the first request does not pay for compilation."""
+        if self._thread is not None:
+            raise RuntimeError("warmup() must run before start()")
+        session = self.engine.session()
+        session.feed([0] * min(PREFILL_CHUNK + 1, self.engine.max_ctx))  # one scan chunk, then one step
+        states = batching.write_slot(batching.init_slots(self.engine.plan, self.n_slots), jnp.int32(0), session.state)
+        self._step(states, np.zeros(self.n_slots, np.int32), self._dummy_batch_rows())[0].block_until_ready()
+
     def start(self) -> None:
         if self._thread is not None:
             return
         self._states = batching.init_slots(self.engine.plan, self.n_slots)
         self._thread = threading.Thread(target=self._run, name="jds41-scheduler", daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
 
     def stop(self, timeout: float | None = 10.0) -> None:
-        """End the loop; every request still running or waiting gets Failed."""
+        """End the loop after its current iteration; every request still running or waiting gets Failed."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(timeout)  # the thread fails its own requests on the way out
+        else:
+            self._shutdown()
+        _RUNNING.discard(self)
+
+    def _shutdown(self) -> None:
         with self._cv:
             for i, s in enumerate(self._slots):
                 if s is not None:
                     self._fail(i, "the server is shutting down")
-            while self._waiting:
-                self._waiting.popleft()[0]._put(Failed("the server is shutting down"))
+            waiting, self._waiting = self._waiting, collections.deque()
             self._update_gauges()
+        for handle, _ in waiting:
+            handle._put(Failed("the server is shutting down"))
 
     def submit(self, req: GenRequest, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
         """Queue a request. Raises RequestError (ContextTooLong) for a bad request, QueueFull / Unavailable."""
@@ -123,8 +151,11 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise Unavailable("the server is shutting down")
-            # Requests the next iteration admits into free slots do not count against the queue bound.
+            # Requests the next iteration admits into free slots do not count against the queue bound, nor do
+            # cancelled ones the loop has not dropped yet (clients that just gave up, e.g. on a timeout).
             free = sum(s is None for s in self._slots)
+            if len(self._waiting) >= self.max_queue + free:
+                self._drop_cancelled_waiting(time.perf_counter())
             if len(self._waiting) >= self.max_queue + free:
                 raise QueueFull(f"{len(self._waiting)} requests are already waiting")
             self._waiting.append((handle, time.perf_counter()))
@@ -157,7 +188,7 @@ class Scheduler:
                 while not self._stopping and not self._waiting and not any(self._slots):
                     self._cv.wait()
                 if self._stopping:
-                    return
+                    break
             try:
                 self._iteration()
             except Exception as e:  # a bug outside the per-request guards: fail what is running, keep serving
@@ -168,6 +199,7 @@ class Scheduler:
                             self._fail(i, f"internal error: {e}")
                     self._update_gauges()
                 self._states = batching.init_slots(self.engine.plan, self.n_slots)
+        self._shutdown()
 
     def _iteration(self) -> None:
         with self._cv:
@@ -183,15 +215,18 @@ class Scheduler:
         for i, s in enumerate(self._slots):
             if s is not None and s.handle.cancelled:
                 self._finish(i, "cancelled", now)
-        kept = collections.deque()
-        for handle, t_submit in self._waiting:
-            if handle.cancelled:
-                e2e = now - t_submit
-                handle._put(Finished("cancelled", len(handle.request.prompt), 0, e2e, e2e, e2e))
-                self.stats.request_success_total["cancelled"] += 1
-            else:
-                kept.append((handle, t_submit))
-        self._waiting = kept
+        self._drop_cancelled_waiting(now)
+
+    def _drop_cancelled_waiting(self, now: float) -> None:
+        """Under the lock (submit's thread or the loop's): the "cancelled" counter is only written under it."""
+        gone = [(h, t) for h, t in self._waiting if h.cancelled]
+        if gone:
+            self._waiting = collections.deque((h, t) for h, t in self._waiting if not h.cancelled)
+            self._update_gauges()
+        for handle, t_submit in gone:
+            self.stats.request_success_total["cancelled"] += 1
+            e2e = now - t_submit
+            handle._put(Finished("cancelled", len(handle.request.prompt), 0, e2e, e2e, e2e))
 
     def _admit(self) -> None:
         now = time.perf_counter()
@@ -237,7 +272,7 @@ class Scheduler:
         if not live:
             return
         tokens = np.zeros(self.n_slots, np.int32)  # free and prefilling slots step a dummy token 0
-        rows = None if self._dummy_rows is None else np.repeat(self._dummy_rows[None], self.n_slots, axis=0)
+        rows = self._dummy_batch_rows()
         try:
             for i in live:
                 s = self._slots[i]
@@ -247,8 +282,7 @@ class Scheduler:
                 if self._history_len:
                     s.history = (s.history + [s.pending])[-self._history_len:]
                 s.pending = None
-            logits, self._states = batching.batched_step(self.engine.plan, self.engine.params, self._states,
-                                                         jnp.asarray(tokens), None if rows is None else jnp.asarray(rows))
+            logits, self._states = self._step(self._states, tokens, rows)
             logits = np.asarray(logits, np.float32)
         except Exception as e:  # the donated state may be gone: fail the slots that lived in it, start afresh
             log.exception("batched step failed")
@@ -263,6 +297,13 @@ class Scheduler:
             except Exception as e:
                 log.exception("sampling failed for %s", self._slots[i].handle.id)
                 self._fail(i, f"sampling failed: {e}")
+
+    def _step(self, states: dict, tokens: np.ndarray, rows: np.ndarray | None):
+        return batching.batched_step(self.engine.plan, self.engine.params, states, jnp.asarray(tokens),
+                                     None if rows is None else jnp.asarray(rows))
+
+    def _dummy_batch_rows(self) -> np.ndarray | None:
+        return None if self._dummy_rows is None else np.repeat(self._dummy_rows[None], self.n_slots, axis=0)
 
     # ---- per request ---------------------------------------------------------------------------------------
     def _accept(self, i: int, logits: np.ndarray) -> None:
@@ -288,20 +329,25 @@ class Scheduler:
         else:
             s.pending = tok
 
+    # Slot, gauges and counters change BEFORE the final event is sent: whoever sees Finished sees them settled.
     def _finish(self, i: int, reason: str, now: float) -> None:
-        s = self._slots[i]
+        s = self._release(i)
         e2e = now - s.t_submit
         ttft = e2e if s.t_first is None else s.t_first - s.t_submit
-        s.handle._put(Finished(reason, len(s.handle.request.prompt), s.generated, s.t_admit - s.t_submit, ttft, e2e))
         self.stats.request_success_total[reason] += 1
         if reason != "cancelled":
             self.stats.e2e_s.append(e2e)
-        self._slots[i] = None
+        s.handle._put(Finished(reason, len(s.handle.request.prompt), s.generated, s.t_admit - s.t_submit, ttft, e2e))
 
     def _fail(self, i: int, message: str) -> None:
-        self._slots[i].handle._put(Failed(message))
+        s = self._release(i)
         self.stats.request_failure_total += 1
-        self._slots[i] = None
+        s.handle._put(Failed(message))
+
+    def _release(self, i: int) -> _Slot:
+        s, self._slots[i] = self._slots[i], None
+        self._update_gauges()
+        return s
 
     def _update_gauges(self) -> None:
         self.stats.running = sum(s is not None for s in self._slots)
