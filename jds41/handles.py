@@ -76,7 +76,8 @@ class Failed(Event):
 
 @dataclasses.dataclass
 class SchedulerStats:
-    """Gauges and counters, written by the scheduler thread only (plain int reads are safe from any thread).
+    """Gauges and counters, written by the scheduler thread (and, under its lock, by `submit` dropping cancelled
+    waiters); plain int reads are safe from any thread, and every update lands before the event it concerns.
 
     Histogram observations are kept raw in bounded deques; the metrics endpoint moves them into its histograms
     with `drain_observations()` (one consumer), so memory stays bounded even if nobody scrapes.
@@ -134,7 +135,9 @@ class Handle:
         return self._cancelled.is_set()
 
     async def events(self) -> AsyncIterator[Event]:
-        """Tokens, then one Finished or Failed. Leaving the loop early (client gone, task cancelled) cancels."""
+        """Tokens, then one Finished or Failed. A consumer that goes away cancels the request: its task cancelled
+        while awaiting, or the generator closed (`aclose()`, `contextlib.aclosing`; a bare `break` only closes it
+        when it is garbage collected)."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()  # set before the queue is checked: no event can be missed
         try:
@@ -156,7 +159,7 @@ class Handle:
                 self.cancel()
 
     def iter_events(self, timeout: float | None = None) -> Iterator[Event]:
-        """Blocking form of `events()` for threads without an event loop (CLIs, tests)."""
+        """Blocking form of `events()` for threads without an event loop (CLIs, tests); queue.Empty on timeout."""
         while not self._ended:
             ev = self._events.get(timeout=timeout)
             self._ended = isinstance(ev, (Finished, Failed))

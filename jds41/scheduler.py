@@ -259,13 +259,14 @@ class Scheduler:
                 if s.fed < len(prompt):
                     continue
                 self._states = batching.write_slot(self._states, jnp.int32(i), s.session.state)
-                s.history = s.session.tokens[-self._history_len:] if self._history_len else []
-                s.session = None  # its state now lives in the slot; drop the copy
-                self.stats.prompt_tokens_total += len(prompt)
-                self._accept(i, logits)
             except Exception as e:
                 log.exception("prefill failed for %s", s.handle.id)
                 self._fail(i, f"prefill failed: {e}")
+                continue
+            s.history = s.session.tokens[-self._history_len:] if self._history_len else []
+            s.session = None  # its state now lives in the slot; drop the copy
+            self.stats.prompt_tokens_total += len(prompt)
+            self._accept_guarded(i, logits)
 
     def _decode(self) -> None:
         live = [i for i, s in enumerate(self._slots) if s is not None and s.pending is not None]
@@ -292,11 +293,7 @@ class Scheduler:
             self._states = batching.init_slots(self.engine.plan, self.n_slots)
             return
         for i in live:
-            try:
-                self._accept(i, logits[i])
-            except Exception as e:
-                log.exception("sampling failed for %s", self._slots[i].handle.id)
-                self._fail(i, f"sampling failed: {e}")
+            self._accept_guarded(i, logits[i])
 
     def _step(self, states: dict, tokens: np.ndarray, rows: np.ndarray | None):
         return batching.batched_step(self.engine.plan, self.engine.params, states, jnp.asarray(tokens),
@@ -306,6 +303,13 @@ class Scheduler:
         return None if self._dummy_rows is None else np.repeat(self._dummy_rows[None], self.n_slots, axis=0)
 
     # ---- per request ---------------------------------------------------------------------------------------
+    def _accept_guarded(self, i: int, logits: np.ndarray) -> None:
+        try:
+            self._accept(i, logits)
+        except Exception as e:  # e.g. NaN logits under top-p: only this request fails
+            log.exception("sampling failed for %s", self._slots[i].handle.id)
+            self._fail(i, f"sampling failed: {e}")
+
     def _accept(self, i: int, logits: np.ndarray) -> None:
         """Sample slot i's next token from its logits and decide whether the request goes on."""
         s = self._slots[i]

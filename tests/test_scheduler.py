@@ -278,6 +278,6 @@ def test_error_fails_only_the_affected_request(sched, monkeypatch):
     bad = sched.submit(S.GenRequest(_prompt(101, 5), 6, SamplingParams(seed=666)))
     _, fin_bad = _collect(bad)
     toks, fin_good = _collect(good)
-    assert isinstance(fin_bad, S.Failed) and "injected" in fin_bad.message
+    assert isinstance(fin_bad, S.Failed) and fin_bad.message == "sampling failed: injected"
     assert fin_good.reason == "length" and len(toks) == 6
     assert sched.stats.request_failure_total == 1 and sched.stats.running == 0
