@@ -33,11 +33,6 @@ QUANTS = ("f32", "q8", "mxfp4", "ds4-q2")
 # experts: decode vs batch differ by up to 0.2 of max |logit| (ggml's MXFP4 kernels differ by batch shape), so
 # that pair is not compared. Past ~290 tokens an indexer near-tie flips even for F32: keep these at 140.
 TOL = 1e-4
-# ds4-q2 stores hc_{attn,ffn}_{base,scale} and output_hc_{base,scale} as F16 (synth.tensor_type); llama.cpp's
-# ggml_dsv4_hc_comb asserts F32 for them (GGML_ASSERT(scale->type == GGML_TYPE_F32), ggml.c). Strict: once the
-# writer keeps them F32 this xfail fails and must be removed.
-HC_F16 = pytest.mark.xfail(strict=True, raises=oracle.LlamaCppError,
-                           reason="ds4-q2 writes hc base/scale as F16; llama.cpp's DSV4 hc ops need F32")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +57,7 @@ def _assert_sane(x: np.ndarray, shape: tuple[int, int], what: str) -> None:
     assert not np.allclose(x[0], x[-1]), f"{what}: first and last position give the same logits"
 
 
-@pytest.mark.parametrize("quant", [pytest.param(q, marks=HC_F16) if q == "ds4-q2" else q for q in QUANTS])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_llamacpp_loads_and_evaluates(tiny_files, cfg, quant):
     toks = _tokens(cfg, 140)
     short = oracle.logits(tiny_files[quant], toks[:5])

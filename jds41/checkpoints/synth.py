@@ -65,9 +65,9 @@ def tensor_type(spec: TensorSpec, quant: str) -> T:
     if quant == "ds4-q2":
         if spec.kind is Kind.EXPERTS:
             return T.Q2_K if "down" in name else T.IQ2_XXS
-        if name.endswith(_NORM_SUFFIXES):
-            return T.F32
-        if spec.kind is Kind.HC or "hc_" in name or "compressor" in name or "indexer" in name:
+        if name.endswith(_NORM_SUFFIXES) or (spec.kind is Kind.VECTOR and "hc_" in name):
+            return T.F32  # llama.cpp's hc ops require F32 base/scale (ggml_dsv4_hc_comb asserts it)
+        if spec.kind is Kind.HC or "compressor" in name or "indexer" in name:
             return T.F16
         if name.endswith("ffn_gate_inp.weight"):  # the router picks experts: keep it above 8-bit
             return T.F16
