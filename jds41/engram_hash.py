@@ -2,7 +2,7 @@
 
 Pure functions, no model state. The presets and the synthetic writer use them to produce the hash parameters a
 file stores (`{arch}.engram.multipliers/primes/offsets/rows/token_map`); the engine reads those back from the
-file and may use `ngram_context` / `hash_rows` as its numpy reference. Everything here reproduces the DeepSeek
+file. Everything here reproduces the DeepSeek
 reference construction (Engram demo / V4.1 `inference/engram.py`) step for step, so a synthetic full-size file
 gets the real model's row counts (384,006,168 and 384,016,682) and multipliers.
 """
@@ -152,33 +152,3 @@ def tokenizer_token_map(tokenizer) -> tuple[np.ndarray, int]:
     decoded = [tokenizer.decode([i], skip_special_tokens=False) for i in range(n)]
     raw = [tokenizer.id_to_token(i) for i in range(n)]
     return compressed_token_map(decoded, raw)
-
-
-# ---- row hash (MODEL.md §3 steps 2-5) ------------------------------------------------------------------------
-
-
-def ngram_context(cids: np.ndarray, pad_cid: int, max_ngram: int) -> np.ndarray:
-    """[S] compressed ids -> [S, max_ngram] with slot k = the id k tokens back, `pad_cid` before the start."""
-    s = len(cids)
-    ctx = np.full((s, max_ngram), pad_cid, dtype=np.int64)
-    for k in range(max_ngram):
-        ctx[k:, k] = cids[:s - k] if k else cids
-    return ctx
-
-
-def hash_rows(ctx: np.ndarray, e: EngramConfig, layer_index: int) -> np.ndarray:
-    """[S, max_ngram] context -> [S, n_buckets] table rows of Engram layer `e.layer_ids[layer_index]`.
-
-    h = t0*m0, then h ^= t_k*m_k for k = 1..n-1 gives the order-n hash; bucket (n, head) is h mod P + offset.
-    """
-    m = np.asarray(e.multipliers[layer_index], dtype=np.int64)
-    primes = np.asarray(e.primes[layer_index], dtype=np.int64)
-    offsets = np.asarray(e.offsets[layer_index], dtype=np.int64)
-    ctx = ctx.astype(np.int64)
-    h = ctx[:, 0] * m[0]
-    out = np.empty((ctx.shape[0], e.n_buckets), dtype=np.int64)
-    for order in range(2, e.max_ngram + 1):
-        h = np.bitwise_xor(h, ctx[:, order - 1] * m[order - 1])
-        sl = slice((order - 2) * e.n_heads, (order - 1) * e.n_heads)
-        out[:, sl] = h[:, None] % primes[sl] + offsets[sl]
-    return out
