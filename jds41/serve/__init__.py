@@ -1,0 +1,37 @@
+"""`python -m jds41.serve`: an OpenAI-compatible HTTP server for one model (shared/docs/SERVING.md is the spec).
+
+Layout, one concern per module:
+- `__main__.py`: the command line; binds the port at once, exits non-zero when the model fails to load.
+- `app.py`: `create_app(model_path, options)`, the FastAPI app with the small endpoints (health, models, props,
+  metrics, tokenize); `completions.py`: the two generation endpoints.
+- `loader.py`: loads the model in a background thread and reports progress for /health.
+- `schemas.py`: pydantic request models (no jax import: a client tool may import them).
+- `errors.py`: the OpenAI error shape and the exception handlers that keep bad input from ever becoming a 500.
+- `streaming.py`: text assembly (UTF-8 safe, stop strings held back) and Server-Sent Events framing with pings.
+- `metrics.py`: Prometheus text under the `jds41:` names.
+
+This file holds only `ServeOptions`, so that importing any module of the package stays cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+DEFAULT_PROFILE = "all-hbm"  # the only placement until the tier planner lands: every weight in device memory
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    """Everything the command line decides; `create_app` takes it whole."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    ctx: int | None = None  # context per slot; None = min(model context, the engine's default)
+    slots: int = 4
+    max_queue: int = 64
+    profile: str = DEFAULT_PROFILE
+    draft: str | None = None
+    ping_s: float = 15.0  # SSE comment interval while a request waits (clients and proxies time out idle streams)
+    load_delay_s: float = 0.0  # test hook: hold the load this long so the loading state can be observed
+    warmup: bool = True  # compile the model's programs before /health turns 200

@@ -1,0 +1,86 @@
+"""`python -m jds41.serve MODEL.gguf [--profile NAME] [--draft DRAFT.gguf] [--host 127.0.0.1] [--port 8000]
+[--api-key KEY] [--ctx N] [--slots N]`: serve one model over an OpenAI-compatible HTTP API.
+
+The port is bound at once and the model loads in the background (/health reports progress). A model that cannot
+be loaded (bad magic, truncated, a tensor out of bounds or misshapen, wrong architecture) ends the process with
+exit status 1 and one line naming the file and the tensor. Arguments that cannot work (a missing file, an unknown
+profile, a draft model before drafts land) end it with status 2 before anything is bound.
+
+`--load-delay SECONDS` (hidden) holds the load in its `reading` phase: a test hook that makes the loading state
+observable on a model that loads in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from jds41.serve import DEFAULT_PROFILE, ServeOptions
+
+PROFILES = (DEFAULT_PROFILE,)  # the tier planner's profiles land in a later issue
+
+
+def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
+    ap = argparse.ArgumentParser(prog="python -m jds41.serve", description="Serve a DeepSeek V4(.1)-Flash GGUF "
+                                 "over an OpenAI-compatible HTTP API.")
+    ap.add_argument("model", help="GGUF file (any shard of a split file) or Orbax directory")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, help=f"placement profile (available: {', '.join(PROFILES)})")
+    ap.add_argument("--draft", help="draft model for speculative decoding (not available yet)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=os.environ.get("JDS41_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every route but /health (default $JDS41_API_KEY)")
+    ap.add_argument("--ctx", type=int, help="context size per slot (default min(model context, 8192))")
+    ap.add_argument("--slots", type=int, default=4, help="requests decoded together (default 4)")
+    ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
+    ap.add_argument("--load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.profile not in PROFILES:
+        ap.error(f"profile {args.profile!r} is not available yet: placement profiles land with the tier planner "
+                 f"(available now: {', '.join(PROFILES)})")
+    if args.draft is not None:
+        ap.error("--draft is not available yet: speculative decoding lands in a later release (serve without it)")
+    if not os.path.exists(args.model):
+        ap.error(f"model file not found: {args.model}")
+    if not 0 <= args.port <= 65535:
+        ap.error(f"--port {args.port}: expected 0..65535")
+    for name, low in (("ctx", 2), ("slots", 1), ("max_queue", 0)):
+        value = getattr(args, name)
+        if value is not None and value < low:
+            ap.error(f"--{name.replace('_', '-')} {value}: expected an integer >= {low}")
+    return args.model, ServeOptions(host=args.host, port=args.port, api_key=args.api_key or None, ctx=args.ctx,
+                                    slots=args.slots, max_queue=args.max_queue, profile=args.profile,
+                                    draft=args.draft, load_delay_s=args.load_delay)
+
+
+def main(argv: list[str] | None = None) -> int:
+    model, options = parse(argv)
+    import uvicorn
+
+    from jds41.serve.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    failure: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_failure(message: str) -> None:
+        # Runs in the loader thread: ask uvicorn to shut down; main() turns it into the exit status.
+        failure.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(model, options, on_load_failure)
+    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    server.run()
+    if failure:
+        print(f"jds41.serve: error: cannot load the model: {failure[0]}", file=sys.stderr, flush=True)
+        return 1
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

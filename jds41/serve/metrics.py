@@ -1,0 +1,181 @@
+"""`GET /metrics`: Prometheus text under vLLM's metric names with the `jds41:` prefix (SERVING.md §Metrics).
+
+Counters are kept here by the HTTP layer, one `RequestTrace` per request, because it alone sees every request end
+the way the client saw it: a stop string ends a request as `stop` even though the scheduler was told to cancel,
+and a client that disconnects is an `abort`; the end-to-end latency histogram is observed here for the same reason.
+The other latency histograms take the scheduler's own observations (submit to first sample, between samples, time
+in the queue), drained at each scrape; gauges are read live from the scheduler. Each app has its own registry: two servers in one process never share counts.
+
+Placeholders, exported at 0 so dashboards and alerts can be built now: prefix cache, speculative decoding and
+the tier metrics (expert lookups and hits per tier, SSD bytes, Engram rows, prefetch, router lean swaps) until the
+prefix cache, drafts and the tier planner land and feed them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import Counter
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+P = "jds41:"
+FINISH_REASONS = ("stop", "length", "abort")
+TIERS = ("hbm", "host", "ssd")
+
+BUCKETS = {
+    "time_to_first_token_seconds": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0),
+    "inter_token_latency_seconds": (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                                    1.0, 2.5, 5.0, 10.0),
+    "e2e_request_latency_seconds": (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+                                    1920.0),
+    "request_queue_time_seconds": (0.001, 0.01, 0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 480.0),
+}
+HELP = {
+    "time_to_first_token_seconds": "Time from request arrival to its first generated token.",
+    "inter_token_latency_seconds": "Time between consecutive tokens of a request.",
+    "e2e_request_latency_seconds": "Time from request arrival to its end.",
+    "request_queue_time_seconds": "Time a request waited for a slot.",
+}
+
+
+class Histogram:
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds, self.counts, self.sum = bounds, [0] * (len(bounds) + 1), 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, name: str, doc: str, model: str) -> HistogramMetricFamily:
+        cumulative, total = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            total += n
+            cumulative.append((bound, total))
+        fam = HistogramMetricFamily(name, doc, labels=["model_name"])
+        fam.add_metric([model], buckets=cumulative, sum_value=self.sum)
+        return fam
+
+
+class ServerMetrics:
+    """Everything /metrics reports. All updates happen on the event loop thread."""
+
+    def __init__(self, model_name: str, loader):
+        self.model_name, self.loader = model_name, loader
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.finished: Counter[str] = Counter()
+        self.hist = {name: Histogram(b) for name, b in BUCKETS.items()}
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def trace(self, n_prompt: int) -> RequestTrace:
+        return RequestTrace(self, n_prompt)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- prometheus_client collector protocol -----------------------------------------------------------------
+    def take_observations(self, stats) -> None:
+        """Move the scheduler's raw latency observations into the histograms (the scheduler keeps a bounded
+        backlog, so an unscraped server does not grow)."""
+        obs = stats.drain_observations()
+        # e2e_s is dropped: the scheduler leaves out requests it was told to cancel, stop strings included.
+        for key, name in (("ttft_s", "time_to_first_token_seconds"), ("itl_s", "inter_token_latency_seconds"),
+                          ("queue_s", "request_queue_time_seconds")):
+            for value in obs[key]:
+                self.hist[name].observe(value)
+
+    def collect(self):
+        m = [self.model_name]
+        stats = getattr(self.loader.scheduler, "stats", None)
+        if stats is not None and self.loader.ready:
+            self.take_observations(stats)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            fam = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            fam.add_metric(m, value)
+            return fam
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            fam = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            fam.add_metric(m, value)
+            return fam
+
+        yield gauge("num_requests_running", "Requests in a slot.", getattr(stats, "running", 0))
+        yield gauge("num_requests_waiting", "Requests queued for a slot.", getattr(stats, "waiting", 0))
+        yield gauge("kv_cache_usage_perc", "KV cache in use (0..1): each slot reserves a whole context.",
+                    getattr(stats, "kv_cache_usage_perc", 0.0))
+        yield gauge("model_load_progress", "Model load progress (0..1; 1 = ready).", self.loader.fraction)
+        yield counter("prompt_tokens", "Prompt tokens of finished requests.", self.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated for finished requests.", self.generation_tokens)
+        fam = CounterMetricFamily(P + "request_success", "Finished requests by finish reason.",
+                                  labels=["model_name", "finished_reason"])
+        for reason in sorted(set(FINISH_REASONS) | set(self.finished)):
+            fam.add_metric([*m, reason], self.finished[reason])
+        yield fam
+        for name, h in self.hist.items():
+            yield h.family(P + name, HELP[name], self.model_name)
+        # Placeholders (module docstring): the features that feed them have not landed.
+        for name, doc in (("prefix_cache_queries", "Prefix cache queries, in tokens."),
+                          ("prefix_cache_hits", "Prefix cache hits, in tokens."),
+                          ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                          ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+                          ("ssd_read_bytes", "Bytes read from the SSD tier."),
+                          ("engram_rows_read", "Engram rows read on the host."),
+                          ("prefetch_predictions", "Expert prefetch predictions."),
+                          ("prefetch_correct", "Expert prefetch predictions that were used."),
+                          ("router_lean_swaps", "Router lean swaps to a resident expert.")):
+            yield counter(name, doc, 0)
+        for name, doc in (("expert_lookups", "Routed expert lookups by tier."),
+                          ("expert_hits", "Routed expert lookups served from the tier.")):
+            fam = CounterMetricFamily(P + name, doc, labels=["model_name", "tier"])
+            for tier in TIERS:
+                fam.add_metric([*m, tier], 0)
+            yield fam
+
+
+class RequestTrace:
+    """One request as the client saw it; `finish` books it exactly once, whichever way the request ends."""
+
+    def __init__(self, metrics: ServerMetrics, n_prompt: int):
+        self.metrics, self.n_prompt = metrics, n_prompt
+        self.t0 = time.perf_counter()
+        self.t_first: float | None = None
+        self.n_tokens = 0
+        self.done = False
+
+    def token(self) -> None:
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.n_tokens += 1
+
+    def finish(self, reason: str, completion_tokens: int | None = None, queue_s: float | None = None) -> dict:
+        """Book the request (`completion_tokens` from the scheduler when known: it counts the stop token, which
+        is never sent as text); returns its timings (llama.cpp's `timings` object plus the queue time)."""
+        n = self.n_tokens if completion_tokens is None else completion_tokens
+        now = time.perf_counter()
+        timings = self.timings(now, n, queue_s)
+        if not self.done:
+            self.done = True
+            m = self.metrics
+            m.hist["e2e_request_latency_seconds"].observe(now - self.t0)
+            m.prompt_tokens += self.n_prompt
+            m.generation_tokens += n
+            m.finished[reason] += 1
+        return timings
+
+    def timings(self, now: float, n: int, queue_s: float | None) -> dict:
+        first = self.t_first if self.t_first is not None else now
+        prompt_s = max(first - self.t0 - (queue_s or 0.0), 1e-9)
+        decode_s = max(now - first, 1e-9)
+        n_decode = max(n - 1, 0)  # the first token comes out of the prompt pass
+        return {"queue_ms": round((queue_s or 0.0) * 1e3, 3),
+                "prompt_n": self.n_prompt, "prompt_ms": round(prompt_s * 1e3, 3),
+                "prompt_per_second": round(self.n_prompt / prompt_s, 3),
+                "predicted_n": n, "predicted_ms": round(decode_s * 1e3, 3),
+                "predicted_per_second": round(n_decode / decode_s, 3) if n_decode else 0.0,
+                "draft_n": 0, "draft_n_accepted": 0}
