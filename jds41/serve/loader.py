@@ -97,9 +97,9 @@ class ModelLoader:
             self.on_failure(message)
 
     def _load(self) -> None:
+        self.phase = "validating"  # importing the reader (numpy, gguf) is part of it: a second or two
         from jds41.checkpoints import open_model
 
-        self.phase = "validating"
         with open_model(self.path) as model:
             shards = [(s.path, s.size) for s in model.shards]
         self.bytes_total = sum(size for _, size in shards)
