@@ -159,6 +159,7 @@ def _update_latent_keys(cfg, w, idx_st, latent, pos, ratio, freqs):
 
 
 def _ffn_block(cfg: ModelConfig, lp: LayerPlan, w: dict, h_D, token):
+    """(FFN output [D], the routed expert ids [K] that produced it)."""
     if lp.hash_layer:
         idx, weight = route(h_D, w["ffn_gate_inp"], None, cfg, hash_ids_K=w["ffn_gate_tid2eid"][token])[:2]
     else:
@@ -168,7 +169,7 @@ def _ffn_block(cfg: ModelConfig, lp: LayerPlan, w: dict, h_D, token):
     if cfg.n_shared_experts:
         y = y + shared_expert(h_D, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"],
                               cfg.swiglu_limit_shexp[lp.index])
-    return y
+    return y, idx
 
 
 def _sublayer_mix(cfg: ModelConfig, w: dict, branch: str, x_HD):
@@ -176,8 +177,13 @@ def _sublayer_mix(cfg: ModelConfig, w: dict, branch: str, x_HD):
     return hc_split(mix, w[f"hc_{branch}_scale"], w[f"hc_{branch}_base"], cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
 
-def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows: jax.Array | None):
-    """One token through the model: (logits [V], new state). `engram_rows` [n_engram_layers, n_buckets, bytes]."""
+def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows: jax.Array | None,
+         trace_routing: bool = False):
+    """One token through the model: (logits [V], new state). `engram_rows` [n_engram_layers, n_buckets, bytes].
+
+    `trace_routing=True` (static) also returns the routed expert ids of every layer, int32 [n_layers, K], for usage
+    profiling (jds41.tiers.profile); they are values the step computes anyway, so the logits and state are the same.
+    """
     cfg = plan.cfg
     pos = state["pos"]
     x = jnp.broadcast_to(embed(params["token_embd"], token), (cfg.hc_mult, cfg.dim))
@@ -185,6 +191,7 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
     shared: dict = {}
     # V4.1 lag: each sublayer collapses with the `pre` handed over by the previous sublayer.
     pre_prev = hc_onehot_pre(cfg.hc_mult)
+    routing = []  # expert ids per layer; dead code for XLA unless trace_routing returns them
     for lp in plan.layers:
         w = params["blocks"][lp.index]
         if lp.engram_slot >= 0:
@@ -196,7 +203,8 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
             if branch == "attn":
                 out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared)
             else:
-                out = _ffn_block(cfg, lp, w, h, token)
+                out, idx = _ffn_block(cfg, lp, w, h, token)
+                routing.append(idx)
             x = hc_expand(x, out, post, comb)
             pre_prev = pre
     if cfg.hc_lag:
@@ -205,6 +213,8 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
         y = hc_head(x, params["output_hc_fn"], params["output_hc_scale"], params["output_hc_base"], cfg.hc_eps,
                     cfg.rms_eps)
     logits = qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
+    if trace_routing:
+        return logits, {"pos": pos + 1, "layers": new_layers}, jnp.stack(routing)
     return logits, {"pos": pos + 1, "layers": new_layers}
 
 
