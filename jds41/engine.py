@@ -27,6 +27,9 @@ from jds41.tokenizer import Tokenizer
 from jds41.weights import load_params
 
 PREFILL_CHUNK = 32  # tokens per prefill scan call: one compiled program serves every prompt length
+# Engine.open(numerics=...) -> QTensor.act_round. "llamacpp" rounds activations before quantized products as
+# llama.cpp's CPU backend does (Q8_0 blocks for Q8_0/MXFP4 weights, F16 for F16), to compare against it tightly.
+NUMERICS = {"jds41": None, "llamacpp": "ggml-cpu"}
 
 
 class RequestError(Jds41Error, ValueError):
@@ -43,15 +46,21 @@ class SamplingParams:
 
 class Engine:
     def __init__(self, path: str, gguf, params: dict, plan: M.ModelPlan, tokenizer: Tokenizer | None,
-                 engram: tuple[EngramHasher, MmapRowSource] | None, load_seconds: float):
+                 engram: tuple[EngramHasher, MmapRowSource] | None, load_seconds: float, tiers=None):
         self.path, self.gguf, self.params, self.plan = path, gguf, params, plan
         self.cfg = plan.cfg
         self.tokenizer = tokenizer
         self.engram = engram
         self.load_seconds = load_seconds
+        self.tiers = tiers  # jds41.tiers.runtime.TierRuntime when a profile placed the experts, else None
 
     @classmethod
-    def open(cls, path: str, max_ctx: int | None = None) -> Engine:
+    def open(cls, path: str, max_ctx: int | None = None, numerics: str = "jds41", profile: str | None = None,
+             usage: str | None = None) -> Engine:
+        """Open a model; with `profile` (a shipped name or a JSON path) the routed experts are placed across HBM,
+        pinned host memory and the SSD by it (`usage`: a usage.json overriding the profile's placement source)."""
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {sorted(NUMERICS)}, got {numerics!r}")
         t0 = time.perf_counter()
         gguf = open_model(path)
         cfg = gguf.config
@@ -60,9 +69,14 @@ class Engine:
         if cfg.engram is not None:
             token_map = np.asarray(gguf.metadata[f"{cfg.arch}.engram.token_map"], np.int64)
             engram = (EngramHasher(cfg.engram, token_map), MmapRowSource.from_model(gguf, cfg.engram))
-        params = load_params(cfg, gguf)
+        params = load_params(cfg, gguf, act_round=NUMERICS[numerics])
+        tiers = None
+        if profile is not None:
+            from jds41.tiers.runtime import open_tiers  # the tier machinery loads only when a profile asks for it
+
+            params, tiers = open_tiers(gguf, params, profile, usage)
         return cls(path, gguf, params, M.make_plan(cfg, ctx), Tokenizer.from_metadata(gguf.metadata, path), engram,
-                   time.perf_counter() - t0)
+                   time.perf_counter() - t0, tiers)
 
     @property
     def max_ctx(self) -> int:
@@ -71,6 +85,11 @@ class Engine:
     @property
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
+
+    def with_params(self, params: dict) -> Engine:
+        """The same model with another parameter pytree (e.g. experts placed across tiers); shares everything else."""
+        return Engine(self.path, self.gguf, params, self.plan, self.tokenizer, self.engram, self.load_seconds,
+                      self.tiers)
 
     def session(self) -> Session:
         return Session(self)
@@ -108,6 +127,11 @@ class Session:
             raise RequestError(f"this model's maximum context length is {self.engine.max_ctx} tokens, the request "
                                f"needs {len(self.tokens) + len(tokens)}")
 
+    def _record(self, routing: list) -> None:
+        """Per-tier counts from the expert ids the step returned (only when experts are placed by a profile)."""
+        if routing and self.engine.tiers is not None:
+            self.engine.tiers.record(np.asarray(routing[0]))
+
     # ---- model calls ---------------------------------------------------------------------------------------
     def feed(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
         """Append tokens; returns the logits after the last one [V] (or after each one, [T, V])."""
@@ -121,14 +145,17 @@ class Session:
         while len(tokens) - i >= PREFILL_CHUNK:
             chunk = tokens[i:i + PREFILL_CHUNK]
             rows = self._engram_rows(chunk)
-            logits, self.state = M.prefill(eng.plan, eng.params, self.state, jnp.asarray(chunk, jnp.int32), rows)
+            logits, self.state, *routing = M.prefill(eng.plan, eng.params, self.state,
+                                                     jnp.asarray(chunk, jnp.int32), rows, eng.tiers is not None)
+            self._record(routing)
             out.append(logits if all_logits else logits[-1:])
             self.tokens += chunk
             i += PREFILL_CHUNK
         for t in tokens[i:]:
             rows = self._engram_rows([t])
-            logits, self.state = M.decode_step(eng.plan, eng.params, self.state, jnp.asarray(t, jnp.int32),
-                                               None if rows is None else rows[0])
+            logits, self.state, *routing = M.decode_step(eng.plan, eng.params, self.state, jnp.asarray(t, jnp.int32),
+                                                         None if rows is None else rows[0], eng.tiers is not None)
+            self._record([r[None] for r in routing])
             out.append(logits[None])
             self.tokens.append(t)
         result = np.asarray(jnp.concatenate(out), np.float32)

@@ -32,6 +32,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--ctx", type=int, default=None, help="context size (default min(model context, 8192))")
+    ap.add_argument("--profile", default=None, help="place experts across HBM / host / SSD by a profile (name or JSON)")
+    ap.add_argument("--usage", default=None, help="usage.json from python -m jds41.tiers.profile (placement source)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--logits", metavar="FILE.npy", help="save the logits of every prompt position and step")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
@@ -54,7 +56,7 @@ def _prompt_ids(args: argparse.Namespace, engine: Engine) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    engine = Engine.open(args.model, max_ctx=args.ctx)
+    engine = Engine.open(args.model, max_ctx=args.ctx, profile=args.profile, usage=args.usage)
     prompt = _prompt_ids(args, engine)
     if not prompt:
         raise Jds41Error("the prompt is empty")
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> dict:
         "text": tok.decode(out) if tok is not None else None,
         "timings": {"load_s": round(engine.load_seconds, 3), "prompt_s": round((t_first or t_end) - t0, 3),
                     "decode_tok_s": round((len(out) - 1) / decode_s, 2) if len(out) > 1 and decode_s > 0 else None},
+        "tiers": engine.tiers.stats() if engine.tiers is not None else None,
     }
 
 

@@ -33,6 +33,7 @@ from jds41.layers.norm import rms_norm
 from jds41.layers.rope import layer_rope_freqs
 from jds41.layers.router import route
 from jds41.quant import QTensor, qmatvec
+from jds41.tiers.experts import select_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +165,13 @@ def _ffn_block(cfg: ModelConfig, lp: LayerPlan, w: dict, h_D, token):
         idx, weight = route(h_D, w["ffn_gate_inp"], None, cfg, hash_ids_K=w["ffn_gate_tid2eid"][token])[:2]
     else:
         idx, weight = route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg)[:2]
-    y = routed_experts(h_D, w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"], idx, weight,
-                       cfg.swiglu_limit[lp.index])
+    if "routed" in w:  # experts split across HBM / pinned host / SSD (jds41.tiers.experts)
+        sel = select_experts(w["routed"], idx)
+        y = routed_experts(h_D, sel["gate"], sel["up"], sel["down"], jnp.arange(idx.shape[0], dtype=jnp.int32),
+                           weight, cfg.swiglu_limit[lp.index])
+    else:
+        y = routed_experts(h_D, w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"], idx, weight,
+                           cfg.swiglu_limit[lp.index])
     if cfg.n_shared_experts:
         y = y + shared_expert(h_D, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"],
                               cfg.swiglu_limit_shexp[lp.index])
@@ -218,18 +224,20 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
     return logits, {"pos": pos + 1, "layers": new_layers}
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def decode_step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows=None):
-    return step(plan, params, state, token, engram_rows)
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
+def decode_step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows=None,
+                trace_routing: bool = False):
+    return step(plan, params, state, token, engram_rows, trace_routing)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def prefill(plan: ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None):
-    """All prompt positions through `step` (lax.scan): (logits [T, V], state)."""
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
+def prefill(plan: ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
+            trace_routing: bool = False):
+    """All prompt positions through `step` (lax.scan): (logits [T, V], state[, routing [T, n_layers, K]])."""
     def body(st, xs):
         tok, rows = xs
-        logits, st = step(plan, params, st, tok, rows)
-        return st, logits
+        out = step(plan, params, st, tok, rows, trace_routing)
+        return out[1], (out[0], *out[2:])
 
-    state, logits = jax.lax.scan(body, state, (tokens, engram_rows))
-    return logits, state
+    state, ys = jax.lax.scan(body, state, (tokens, engram_rows))
+    return (ys[0], state, *ys[1:])

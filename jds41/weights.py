@@ -34,9 +34,9 @@ def param_path(name: str) -> tuple[int, str]:
     return -1, m.group(1)
 
 
-def _leaf(kind: Kind, qtype: T, shape: tuple[int, ...], model, name: str):
+def _leaf(kind: Kind, qtype: T, shape: tuple[int, ...], model, name: str, act_round: str | None = None):
     if kind in (Kind.MATRIX, Kind.EXPERTS):
-        return QTensor.from_raw(model.raw(name), qtype, shape)
+        return QTensor.from_raw(model.raw(name), qtype, shape, act_round)
     if kind is Kind.INDEX:
         return jnp.asarray(model.typed(name).reshape(shape))
     return jnp.asarray(model.typed(name).reshape(shape), dtype=jnp.float32)
@@ -53,9 +53,13 @@ def _tree(cfg: ModelConfig, leaf) -> dict:
     return params
 
 
-def load_params(cfg: ModelConfig, model) -> dict:
-    """Every non-Engram tensor of `model` (a jds41.checkpoints GGUFModel) as the parameter pytree."""
-    return _tree(cfg, lambda name, spec: _leaf(spec.kind, model.tensors[name].ggml_type, spec.shape, model, name))
+def load_params(cfg: ModelConfig, model, act_round: str | None = None) -> dict:
+    """Every non-Engram tensor of `model` (a jds41.checkpoints GGUFModel) as the parameter pytree.
+
+    `act_round` goes to every QTensor: None (default) or "ggml-cpu" to round activations before quantized products
+    as llama.cpp's CPU backend does (jds41.quant.qtensor docstring)."""
+    return _tree(cfg, lambda name, spec: _leaf(spec.kind, model.tensors[name].ggml_type, spec.shape, model, name,
+                                               act_round))
 
 
 def abstract_params(cfg: ModelConfig, types: dict[str, T]) -> dict:

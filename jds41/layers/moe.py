@@ -5,7 +5,7 @@ Owns `routed_experts` / `shared_expert` (one token) and their `*_rows` forms (T 
   gate_F = W_gate x, up_F = W_up x                                    (f32)
   if limit > 1e-6: gate = min(gate, limit), up = clip(up, -limit, limit)   (asymmetric SwiGLU clamp)
   h_F = silu(gate) * up * weight                                      (routing weight applied BEFORE down)
-  y_D = W_down h
+  y_D = W_down h               (llama.cpp numerics, act_round set: y_D = weight * W_down(silu(gate) * up))
 The token's output is y_0 + y_1 + ... + y_{K-1} in routing order (fixed left-to-right adds); the shared expert is
 the same computation with weight 1 and its own clamp (`swiglu_limit_shexp`), added by the caller.
 
@@ -52,8 +52,12 @@ def routed_experts(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Arr
                                    jnp.asarray(weight_K, jnp.float32)))
     g_KF = qmatvec_experts(x_D, gate_exps, idx_K)
     u_KF = qmatvec_experts(x_D, up_exps, idx_K)
-    h_KF = swiglu(g_KF, u_KF, limit) * weight_K[:, None]
-    y_KD = qmatvec_experts(h_KF, down_exps, idx_K)
+    # llama.cpp (build_moe_ffn) scales by the routing weight AFTER W_down. Exact algebra makes the order moot, but
+    # under its activation rounding (act_round set: Q8_0 rounds h, not weight*h) it is not: follow llama.cpp there.
+    if down_exps.act_round is None:
+        y_KD = qmatvec_experts(swiglu(g_KF, u_KF, limit) * weight_K[:, None], down_exps, idx_K)
+    else:
+        y_KD = qmatvec_experts(swiglu(g_KF, u_KF, limit), down_exps, idx_K) * weight_K[:, None]
     y_D = y_KD[0]
     for k in range(1, y_KD.shape[0]):
         y_D = y_D + y_KD[k]

@@ -17,6 +17,13 @@ sums reach memory. Other platforms get the plain sum, which XLA:GPU fuses and ru
 tests/test_quant_hlo.py checks the compiled HLO on whichever backend runs it.
 
 Only `qmatmul` with several tokens dequantizes to an f32 copy and calls `dot`: the copy is shared by the tokens.
+
+Activation rounding (`QTensor.act_round`, opt-in, default None = products on the f32 activation as is): with
+"ggml-cpu" the products first round the activation the way llama.cpp's CPU backend does before its dot products,
+so llama.cpp can serve as a tight oracle for quantized files (tests/test_model_vs_llamacpp.py). ggml-cpu converts
+the f32 activation row to the weight type's `vec_dot_type` (ggml-cpu.c type_traits_cpu): Q8_0 for Q8_0 and MXFP4
+weights, F16 for F16 weights. Only these are emulated; F32 weights need nothing, and BF16 (vec_dot_type BF16) and
+the K/IQ types (Q8_K rows of 256) are left unrounded, so "ggml-cpu" does not match llama.cpp tightly for them.
 """
 
 from __future__ import annotations
@@ -56,13 +63,19 @@ class QTensor:
     data: Any
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
+    act_round: str | None = None  # None or "ggml-cpu": how products round the activation (module docstring)
+
+    def __post_init__(self):
+        if self.act_round not in ACT_ROUNDINGS:
+            raise ValueError(f"act_round must be one of {ACT_ROUNDINGS}, got {self.act_round!r}")
 
     @classmethod
-    def from_raw(cls, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> QTensor:
+    def from_raw(cls, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
+                 act_round: str | None = None) -> QTensor:
         """Wrap a tensor's bytes as they sit in the GGUF file (any array holding exactly those bytes).
 
         No copy for a contiguous numpy array or memmap: the bytes are reshaped, and float types are viewed as
-        their native dtype. `gguf.GGUFReader`'s `tensor.data` can be passed as is.
+        their native dtype. `gguf.GGUFReader`'s `tensor.data` can be passed as is. `act_round`: see the module.
         """
         qtype = check_qtype(qtype)
         shape = tuple(int(s) for s in shape)
@@ -73,13 +86,13 @@ class QTensor:
                 raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1).view(dtype)
             if raw.size != math.prod(shape):
                 raise ValueError(f"{qtype.name} tensor of shape {shape} needs {math.prod(shape)} values, got {raw.size}")
-            return cls(raw.reshape(shape), qtype, shape)
+            return cls(raw.reshape(shape), qtype, shape, act_round)
         want = byte_shape(qtype, shape)
         if raw.nbytes != math.prod(want):
             raise ValueError(f"{qtype.name} tensor of shape {shape} needs {math.prod(want)} bytes, got {raw.nbytes}")
         if raw.dtype != np.uint8:
             raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-        return cls(raw.reshape(want), qtype, shape)
+        return cls(raw.reshape(want), qtype, shape, act_round)
 
     @classmethod
     def abstract(cls, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> QTensor:
@@ -105,7 +118,36 @@ class QTensor:
         return _values(self.data, self.qtype)
 
 
-jax.tree_util.register_dataclass(QTensor, data_fields=["data"], meta_fields=["qtype", "shape"])
+jax.tree_util.register_dataclass(QTensor, data_fields=["data"], meta_fields=["qtype", "shape", "act_round"])
+
+ACT_ROUNDINGS = (None, "ggml-cpu")
+_Q8_0_ACT_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.MXFP4)
+
+
+def _ggml_cpu_q8_0(x: jax.Array) -> jax.Array:
+    """f32 `x[..., n]` (n % 32 == 0) rounded to Q8_0 blocks of 32 and read back as f32, as ggml-cpu's x86 (AVX/AVX2)
+    `quantize_row_q8_0` does (ggml-cpu/arch/x86/quants.c; the repacked-weight path's ggml_quantize_mat_q8_0_4x8 is
+    the same): d = amax/127 stored as fp16, q = round-half-even(x * (127/amax)) (`_mm256_round_ps` NEAREST), value
+    q * fp16(d). ggml's portable reference instead uses 1/d and `roundf`; the x86 form is the one llama-cpp-python
+    matched bit-for-bit here (measured in tests/test_model_vs_llamacpp.py). q*d is exact in f32, so the product
+    with the weight then equals ggml's integer dot up to f32 summation order."""
+    b = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
+    d = (amax / np.float32(127)).astype(jnp.float16).astype(jnp.float32)
+    inv = jnp.where(amax != 0, np.float32(127) / jnp.where(amax != 0, amax, 1), 0)
+    return (jnp.round(b * inv) * d).reshape(x.shape)  # jnp.round: half to even
+
+
+def _act(x: jax.Array, w: QTensor) -> jax.Array:
+    """The f32 activation a product with `w` reads: `x` as is, or rounded per `w.act_round` (module docstring)."""
+    x = x.astype(jnp.float32)
+    if w.act_round is None:
+        return x
+    if w.qtype in _Q8_0_ACT_TYPES:
+        return _ggml_cpu_q8_0(x)
+    if w.qtype == GGMLQuantizationType.F16:
+        return x.astype(jnp.float16).astype(jnp.float32)  # F16C conversion: round to nearest even
+    return x
 
 
 def _values(data, qtype: GGMLQuantizationType) -> jax.Array:
@@ -151,7 +193,7 @@ def qmatvec(x_in: jax.Array, w: QTensor) -> jax.Array:
     if x_in.ndim != 1 or len(w.data.shape) != 2:
         raise ValueError(f"qmatvec takes x[in] and a 2-d weight, got x{list(x_in.shape)} and w{list(w.data.shape)}")
     _check_in(x_in, w, "qmatvec")
-    return _row_dot(_values(w.data, w.qtype), x_in.astype(jnp.float32))
+    return _row_dot(_values(w.data, w.qtype), _act(x_in, w))
 
 
 def qmatmul(x_TD: jax.Array, w: QTensor, *, precision=lax.Precision.HIGHEST) -> jax.Array:
@@ -167,7 +209,7 @@ def qmatmul(x_TD: jax.Array, w: QTensor, *, precision=lax.Precision.HIGHEST) -> 
     if x_TD.shape[0] == 1:
         return qmatvec(x_TD[0], w)[None]
     w_OD = _values(w.data, w.qtype)
-    return jnp.einsum("td,od->to", x_TD.astype(jnp.float32), w_OD, precision=precision,
+    return jnp.einsum("td,od->to", _act(x_TD, w), w_OD, precision=precision,
                       preferred_element_type=jnp.float32)
 
 
@@ -187,5 +229,5 @@ def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array) -> 
         raise ValueError(f"qmatvec_experts: x has {x.shape[0]} rows for {K} experts")
     raw_KOR = jnp.take(jnp.asarray(w_stack.data), expert_idx_K, axis=0, mode="clip")
     w_KOI = _values(raw_KOR, w_stack.qtype)
-    x_KI = x.astype(jnp.float32).reshape(-1, x.shape[-1])  # [1 or K, in]
+    x_KI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
     return _row_dot(w_KOI, x_KI[:, None, :])

@@ -1,0 +1,108 @@
+"""Routed experts split across the three owners, as the decode graph sees them.
+
+Each layer's routed experts are one `TieredLayer`: the tier-0 experts as device stacks, the tier-1 experts as
+pinned-host stacks, and a map expert -> (tier, local index). Tier-2 experts live on the SSD: their bytes enter the
+graph through one host call per layer, made only when a selected expert is on the SSD (`lax.cond`), which returns
+the quantized rows of exactly the selected experts (DESIGN.md §4: a host call costs 0.2-0.4 ms on the GPU, so it
+must not run on every layer of every step).
+
+Invariance by construction: every tier holds the very bytes of the GGUF stack, the graph picks, per selected
+expert, the raw rows from the tier that owns it, and the expert math then runs once on those rows. So any
+placement gives bit-identical results to the all-resident model (tests/test_tiers_invariance.py).
+
+The host-read side is a `HostExpertSource` (`fetch(layer, experts, on_ssd) -> (gate, up, down)` rows): the SSD
+store (stores.py: O_DIRECT reader pool + slot cache) is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jds41.quant import QTensor
+
+STACKS = ("gate", "up", "down")
+
+
+class HostExpertSource(Protocol):
+    def fetch(self, layer: int, experts: np.ndarray, on_ssd: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Raw rows [K, out, row_bytes] of each stack (gate, up, down) for the experts flagged `on_ssd`; other
+        entries may hold anything (the graph ignores them)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TieredLayer:
+    """One layer's routed experts across tiers. Leaves: the stacks and the maps; static: layer and row shapes."""
+
+    hbm: dict  # stack name -> QTensor [E0, out, in] on the device (E0 >= 1: an unused dummy when empty)
+    host: dict  # stack name -> QTensor [E1, out, in] in pinned host memory (dummy when empty)
+    tier_E: jax.Array  # int32 [E]: 0 HBM, 1 host, 2 SSD
+    local_E: jax.Array  # int32 [E]: index within its tier's stack (unused for the SSD)
+    layer: int
+    source: HostExpertSource | None = None  # None when nothing of this layer is on the SSD
+
+
+jax.tree_util.register_dataclass(TieredLayer, data_fields=["hbm", "host", "tier_E", "local_E"],
+                                 meta_fields=["layer", "source"])
+
+
+def _host_rows(q: QTensor, local_K: jax.Array) -> jax.Array:
+    """The selected experts' rows from a pinned-host stack, moved to the device.
+
+    Each expert is a dynamic index into the WHOLE host array followed by a device_put: DESIGN.md §7 measured this at
+    ~48 GB/s on the GPU box, while gathering with a host-side index vector became slow host compute.
+    """
+    data = q.data
+    rows = [jax.lax.dynamic_index_in_dim(data, local_K[k], 0, keepdims=False) for k in range(local_K.shape[0])]
+    return jax.device_put(jnp.stack(rows), jax.memory.Space.Device)
+
+
+def select_experts(tl: TieredLayer, idx_K: jax.Array) -> dict[str, QTensor]:
+    """For the K selected experts, their quantized rows from whichever tier owns each: stacks [K, out, in]."""
+    tier_K = tl.tier_E[idx_K]
+    local_K = jnp.where(tier_K == 2, 0, tl.local_E[idx_K])
+    out_shapes = {n: tl.hbm[n] for n in STACKS}
+    on_ssd = tier_K == 2
+    if tl.source is not None:
+        shapes = tuple(jax.ShapeDtypeStruct((idx_K.shape[0], *out_shapes[n].data.shape[1:]), out_shapes[n].data.dtype)
+                       for n in STACKS)
+
+        def fetch(idx, mask):
+            return tuple(np.asarray(a, dtype=s.dtype).reshape(s.shape)
+                         for a, s in zip(tl.source.fetch(tl.layer, np.asarray(idx), np.asarray(mask)), shapes))
+
+        ssd = jax.lax.cond(jnp.any(on_ssd),
+                           lambda: jax.experimental.io_callback(fetch, shapes, idx_K, on_ssd),
+                           lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in shapes))
+    selected = {}
+    for i, n in enumerate(STACKS):
+        hbm = jnp.take(tl.hbm[n].data, jnp.where(tier_K == 0, local_K, 0), axis=0)
+        host = _host_rows(tl.host[n], jnp.where(tier_K == 1, local_K, 0))
+        rows = jnp.where((tier_K == 1)[:, None, None], host, hbm)
+        if tl.source is not None:
+            rows = jnp.where(on_ssd[:, None, None], ssd[i], rows)
+        ref = tl.hbm[n]
+        selected[n] = QTensor(rows, ref.qtype, (idx_K.shape[0], *ref.shape[1:]))
+    return selected
+
+
+def place_experts(params: dict, stores, layout) -> dict:
+    """`params` with each placed layer's routed stacks replaced by a `TieredLayer` (key "routed") built from the
+    stores of a placement (jds41.tiers.stores.build_stores): tier-0 and tier-1 stacks, the tier table, and the
+    SSD store as the host source of layers that have experts on the SSD."""
+    tier_LE, local_LE = stores.tier_table(layout)
+    blocks = []
+    for layer, block in enumerate(params["blocks"]):
+        if layer in layout.layers:
+            on_ssd = bool((tier_LE[layer] == 2).any())
+            block = {k: v for k, v in block.items() if not k.endswith("_exps")}
+            block["routed"] = TieredLayer(
+                hbm=dict(stores.device.stacks[layer]), host=dict(stores.host.stacks[layer]),
+                tier_E=jnp.asarray(tier_LE[layer], jnp.int32), local_E=jnp.asarray(np.maximum(local_LE[layer], 0)),
+                layer=layer, source=stores.ssd if on_ssd else None)
+        blocks.append(block)
+    return {**params, "blocks": blocks}
