@@ -75,7 +75,9 @@ class Engine:
             from jds41.tiers.runtime import open_tiers  # the tier machinery loads only when a profile asks for it
 
             params, tiers = open_tiers(gguf, params, profile, usage)
-        return cls(path, gguf, params, M.make_plan(cfg, ctx), Tokenizer.from_metadata(gguf.metadata, path), engram,
+        lean = tiers.profile.router_lean if tiers is not None else None
+        plan = M.make_plan(cfg, ctx, lean_margin=lean.margin if lean is not None and lean.enabled else None)
+        return cls(path, gguf, params, plan, Tokenizer.from_metadata(gguf.metadata, path), engram,
                    time.perf_counter() - t0, tiers)
 
     @property
@@ -130,7 +132,7 @@ class Session:
     def _record(self, routing: list) -> None:
         """Per-tier counts from the expert ids the step returned (only when experts are placed by a profile)."""
         if routing and self.engine.tiers is not None:
-            self.engine.tiers.record(np.asarray(routing[0]))
+            self.engine.tiers.record(routing[0])
 
     # ---- model calls ---------------------------------------------------------------------------------------
     def feed(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
@@ -155,7 +157,7 @@ class Session:
             rows = self._engram_rows([t])
             logits, self.state, *routing = M.decode_step(eng.plan, eng.params, self.state, jnp.asarray(t, jnp.int32),
                                                          None if rows is None else rows[0], eng.tiers is not None)
-            self._record([r[None] for r in routing])
+            self._record([jax.tree.map(lambda a: a[None], r) for r in routing])
             out.append(logits[None])
             self.tokens.append(t)
         result = np.asarray(jnp.concatenate(out), np.float32)

@@ -59,12 +59,15 @@ class ModelPlan:
     cfg: ModelConfig
     max_ctx: int
     layers: tuple[LayerPlan, ...]
+    # Router lean (DESIGN.md §3): within this margin of the k-th biased score, prefer experts in faster tiers.
+    # None = off (the default, and always in the invariance tests); only layers whose experts are tiered lean.
+    lean_margin: float | None = None
 
     def n_rows(self, ratio: int) -> int:
         return -(-self.max_ctx // ratio)
 
 
-def make_plan(cfg: ModelConfig, max_ctx: int) -> ModelPlan:
+def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None) -> ModelPlan:
     layers = []
     for i in range(cfg.n_layers):
         r = cfg.ratio(i)
@@ -85,7 +88,7 @@ def make_plan(cfg: ModelConfig, max_ctx: int) -> ModelPlan:
             uses_candidates=cfg.shared_kv and cand >= 0 and i > cand and runs_indexer,
             engram_slot=cfg.engram.layer_ids.index(i) if cfg.is_engram_layer(i) else -1,
             hash_layer=cfg.is_hash_layer(i)))
-    return ModelPlan(cfg=cfg, max_ctx=max_ctx, layers=tuple(layers))
+    return ModelPlan(cfg=cfg, max_ctx=max_ctx, layers=tuple(layers), lean_margin=lean_margin)
 
 
 def init_state(plan: ModelPlan) -> dict:
@@ -159,12 +162,17 @@ def _update_latent_keys(cfg, w, idx_st, latent, pos, ratio, freqs):
     return {"keys": jax.lax.dynamic_update_index_in_dim(idx_st["keys"], jnp.where(emitted, key, old), block, 0)}
 
 
-def _ffn_block(cfg: ModelConfig, lp: LayerPlan, w: dict, h_D, token):
-    """(FFN output [D], the routed expert ids [K] that produced it)."""
+def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
+    """(FFN output [D], the routed expert ids [K] that produced it, experts the router lean swapped in)."""
+    cfg = plan.cfg
     if lp.hash_layer:
-        idx, weight = route(h_D, w["ffn_gate_inp"], None, cfg, hash_ids_K=w["ffn_gate_tid2eid"][token])[:2]
+        r = route(h_D, w["ffn_gate_inp"], None, cfg, hash_ids_K=w["ffn_gate_tid2eid"][token])
     else:
-        idx, weight = route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg)[:2]
+        lean = None
+        if plan.lean_margin is not None and "routed" in w:  # tier number doubles as the preference rank
+            lean = (w["routed"].tier_E, plan.lean_margin)
+        r = route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg, lean=lean)
+    idx, weight = r.idx_K, r.weight_K
     if "routed" in w:  # experts split across HBM / pinned host / SSD (jds41.tiers.experts)
         sel = select_experts(w["routed"], idx)
         y = routed_experts(h_D, sel["gate"], sel["up"], sel["down"], jnp.arange(idx.shape[0], dtype=jnp.int32),
@@ -175,7 +183,7 @@ def _ffn_block(cfg: ModelConfig, lp: LayerPlan, w: dict, h_D, token):
     if cfg.n_shared_experts:
         y = y + shared_expert(h_D, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"],
                               cfg.swiglu_limit_shexp[lp.index])
-    return y, idx
+    return y, idx, r.swaps
 
 
 def _sublayer_mix(cfg: ModelConfig, w: dict, branch: str, x_HD):
@@ -187,8 +195,9 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
          trace_routing: bool = False):
     """One token through the model: (logits [V], new state). `engram_rows` [n_engram_layers, n_buckets, bytes].
 
-    `trace_routing=True` (static) also returns the routed expert ids of every layer, int32 [n_layers, K], for usage
-    profiling (jds41.tiers.profile); they are values the step computes anyway, so the logits and state are the same.
+    `trace_routing=True` (static) also returns {"experts": int32 [n_layers, K], "swaps": int32 [n_layers]}: the
+    routed expert ids of every layer (usage profiling, per-tier statistics) and how many the router lean swapped
+    in; they are values the step computes anyway, so the logits and state are the same.
     """
     cfg = plan.cfg
     pos = state["pos"]
@@ -197,7 +206,7 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
     shared: dict = {}
     # V4.1 lag: each sublayer collapses with the `pre` handed over by the previous sublayer.
     pre_prev = hc_onehot_pre(cfg.hc_mult)
-    routing = []  # expert ids per layer; dead code for XLA unless trace_routing returns them
+    routing, swaps = [], []  # per layer; dead code for XLA unless trace_routing returns them
     for lp in plan.layers:
         w = params["blocks"][lp.index]
         if lp.engram_slot >= 0:
@@ -209,8 +218,9 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
             if branch == "attn":
                 out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared)
             else:
-                out, idx = _ffn_block(cfg, lp, w, h, token)
+                out, idx, n_swaps = _ffn_block(plan, lp, w, h, token)
                 routing.append(idx)
+                swaps.append(n_swaps)
             x = hc_expand(x, out, post, comb)
             pre_prev = pre
     if cfg.hc_lag:
@@ -220,7 +230,8 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
                     cfg.rms_eps)
     logits = qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
     if trace_routing:
-        return logits, {"pos": pos + 1, "layers": new_layers}, jnp.stack(routing)
+        return logits, {"pos": pos + 1, "layers": new_layers}, {"experts": jnp.stack(routing),
+                                                                 "swaps": jnp.stack(swaps)}
     return logits, {"pos": pos + 1, "layers": new_layers}
 
 
@@ -233,7 +244,7 @@ def decode_step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, en
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
 def prefill(plan: ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
             trace_routing: bool = False):
-    """All prompt positions through `step` (lax.scan): (logits [T, V], state[, routing [T, n_layers, K]])."""
+    """All prompt positions through `step` (lax.scan): (logits [T, V], state[, routing with a leading T axis])."""
     def body(st, xs):
         tok, rows = xs
         out = step(plan, params, st, tok, rows, trace_routing)

@@ -44,8 +44,8 @@ def traced_prefill(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Arr
     """
     def body(st, xs):
         tok, rows = xs
-        logits, st, idx = M.step(plan, params, st, tok, rows, trace_routing=True)
-        return st, (logits if with_logits else None, idx)
+        logits, st, routing = M.step(plan, params, st, tok, rows, trace_routing=True)
+        return st, (logits if with_logits else None, routing["experts"])
 
     state, (logits, idx) = jax.lax.scan(body, state, (tokens, engram_rows))
     return logits, state, idx

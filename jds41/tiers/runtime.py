@@ -34,10 +34,13 @@ class TierRuntime:
     lookups: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3, np.int64))
     bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3, np.int64))
     tokens: int = 0
+    lean_swaps: int = 0
 
-    def record(self, routing_TLK: np.ndarray) -> None:
-        """Count the selections of T tokens (expert ids [T, n_layers, K]) by the tier that served them."""
-        routing_TLK = np.asarray(routing_TLK)
+    def record(self, routing: dict) -> None:
+        """Count the selections of T tokens (traced routing: experts [T, n_layers, K], swaps [T, n_layers]) by the
+        tier that served them, and the router lean's swaps."""
+        routing_TLK = np.asarray(routing["experts"])
+        self.lean_swaps += int(np.asarray(routing["swaps"]).sum())
         layers = np.arange(routing_TLK.shape[1])[None, :, None]
         tiers = self.tier_LE[layers, routing_TLK]
         sizes = np.broadcast_to(self.expert_bytes[layers], routing_TLK.shape)
@@ -48,7 +51,7 @@ class TierRuntime:
 
     def stats(self) -> dict:
         total = max(int(self.lookups.sum()), 1)
-        out = {"profile": self.profile.name, "tokens": self.tokens,
+        out = {"profile": self.profile.name, "tokens": self.tokens, "router_lean_swaps": self.lean_swaps,
                "placement_experts": dict(zip(TIER_NAMES, map(int, self.placement.tier_experts))),
                "placement_bytes": dict(zip(TIER_NAMES, map(int, self.placement.tier_bytes)))}
         for t, name in enumerate(TIER_NAMES):
