@@ -17,6 +17,7 @@ bit for bit, but it runs the slots one after another and reads the weights N tim
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,8 +38,10 @@ def batched_step(plan: M.ModelPlan, params: dict, states: dict, tokens_N: jax.Ar
 
     The stacked state is donated: the step updates every slot's caches in place.
     """
+    vmappable = dataclasses.replace(plan, ssd_call="always")  # no IO inside a vmapped cond
+
     def one(state, token, rows):
-        return M.step(plan, params, state, token, rows)
+        return M.step(vmappable, params, state, token, rows)
 
     return jax.vmap(one)(states, tokens_N, engram_rows_N)
 

@@ -62,6 +62,10 @@ class ModelPlan:
     # Router lean (DESIGN.md §3): within this margin of the k-th biased score, prefer experts in faster tiers.
     # None = off (the default, and always in the invariance tests); only layers whose experts are tiered lean.
     lean_margin: float | None = None
+    # How SSD experts enter the graph: "on-miss" makes the host call only when a selected expert is on the SSD
+    # (lax.cond); "always" calls on every step of layers with SSD experts, which is what works under vmap (JAX has no
+    # IO effects in a vmapped cond), so the continuously batched step uses it.
+    ssd_call: str = "on-miss"
 
     def n_rows(self, ratio: int) -> int:
         return -(-self.max_ctx // ratio)
@@ -174,7 +178,7 @@ def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
         r = route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg, lean=lean)
     idx, weight = r.idx_K, r.weight_K
     if "routed" in w:  # experts split across HBM / pinned host / SSD (jds41.tiers.experts)
-        sel = select_experts(w["routed"], idx)
+        sel = select_experts(w["routed"], idx, on_miss_only=plan.ssd_call == "on-miss")
         y = routed_experts(h_D, sel["gate"], sel["up"], sel["down"], jnp.arange(idx.shape[0], dtype=jnp.int32),
                            weight, cfg.swiglu_limit[lp.index])
     else:

@@ -61,8 +61,11 @@ def _host_rows(q: QTensor, local_K: jax.Array) -> jax.Array:
     return jax.device_put(jnp.stack(rows), jax.memory.Space.Device)
 
 
-def select_experts(tl: TieredLayer, idx_K: jax.Array) -> dict[str, QTensor]:
-    """For the K selected experts, their quantized rows from whichever tier owns each: stacks [K, out, in]."""
+def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True) -> dict[str, QTensor]:
+    """For the K selected experts, their quantized rows from whichever tier owns each: stacks [K, out, in].
+
+    `on_miss_only`: make the host call only when a selected expert is on the SSD (lax.cond); False calls every
+    step (the host answers at once when nothing is flagged), for vmapped steps where a cond cannot hold IO."""
     tier_K = tl.tier_E[idx_K]
     local_K = jnp.where(tier_K == 2, 0, tl.local_E[idx_K])
     out_shapes = {n: tl.hbm[n] for n in STACKS}
@@ -75,9 +78,13 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array) -> dict[str, QTensor]:
             return tuple(np.asarray(a, dtype=s.dtype).reshape(s.shape)
                          for a, s in zip(tl.source.fetch(tl.layer, np.asarray(idx), np.asarray(mask)), shapes))
 
-        ssd = jax.lax.cond(jnp.any(on_ssd),
-                           lambda: jax.experimental.io_callback(fetch, shapes, idx_K, on_ssd),
-                           lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in shapes))
+        def call():
+            return jax.experimental.io_callback(fetch, shapes, idx_K, on_ssd)
+
+        if on_miss_only:
+            ssd = jax.lax.cond(jnp.any(on_ssd), call, lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in shapes))
+        else:
+            ssd = call()
     selected = {}
     for i, n in enumerate(STACKS):
         hbm = jnp.take(tl.hbm[n].data, jnp.where(tier_K == 0, local_K, 0), axis=0)
