@@ -214,7 +214,7 @@ def test_broken_model_exits_nonzero_naming_the_tensor(tmp_path_factory, tmp_path
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--profile", "ssd-heavy"], "profile 'ssd-heavy' is not available yet"),
+    (["--profile", "ssd-heavy"], "profile 'ssd-heavy' is not available for serving yet"),
     (["--draft", "draft.gguf"], "--draft is not available yet"),
     (["--slots", "0"], "--slots 0"),
 ])

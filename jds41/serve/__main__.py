@@ -19,7 +19,10 @@ import sys
 
 from jds41.serve import DEFAULT_PROFILE, ServeOptions
 
-PROFILES = (DEFAULT_PROFILE,)  # the tier planner's profiles land in a later issue
+# Tiered profiles run in single-sequence steps (python -m jds41.generate --profile); the continuously batched step
+# cannot gather pinned-host rows under vmap yet (a batched gather on a host operand), so serving keeps all-hbm
+# until the fused step of issue #5 handles the slot axis itself.
+PROFILES = (DEFAULT_PROFILE,)
 
 
 def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
@@ -39,8 +42,8 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
     args = ap.parse_args(argv)
 
     if args.profile not in PROFILES:
-        ap.error(f"profile {args.profile!r} is not available yet: placement profiles land with the tier planner "
-                 f"(available now: {', '.join(PROFILES)})")
+        ap.error(f"profile {args.profile!r} is not available for serving yet: the batched step serves all-hbm only "
+                 f"(tiered profiles work in `python -m jds41.generate --profile`; available here: {', '.join(PROFILES)})")
     if args.draft is not None:
         ap.error("--draft is not available yet: speculative decoding lands in a later release (serve without it)")
     if not os.path.exists(args.model):
