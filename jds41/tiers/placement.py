@@ -32,7 +32,7 @@ import numpy as np
 
 from jds41.errors import Jds41Error
 from jds41.tiers.profiles import Profile, load_profile
-from jds41.tiers.usage import ModelIdentity, Usage, UsageError, read_json, write_json
+from jds41.tiers.usage import ModelIdentity, Usage, UsageError, check_schema, read_json, write_json
 
 SCHEMA = "jds41.placement"
 VERSION = 1
@@ -127,10 +127,7 @@ class Placement:
 
     @classmethod
     def from_json(cls, d: Any, what: str = "placement") -> Placement:
-        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
-            raise UsageError(f"{what}: not a jds41 placement file (schema {SCHEMA!r} expected)")
-        if d.get("version") != VERSION:
-            raise UsageError(f"{what}: placement schema version {d.get('version')!r}, this jds41 reads {VERSION}")
+        check_schema(d, SCHEMA, VERSION, what, "placement")
         try:
             model = ModelIdentity.from_json(d["model"], what)
             layers = d["layers"]

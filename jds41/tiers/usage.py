@@ -147,10 +147,7 @@ class Usage:
 
     @classmethod
     def from_json(cls, d: Any, what: str = "usage") -> Usage:
-        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
-            raise UsageError(f"{what}: not a jds41 usage file (schema {SCHEMA!r} expected)")
-        if d.get("version") != VERSION:
-            raise UsageError(f"{what}: usage schema version {d.get('version')!r}, this jds41 reads {VERSION}")
+        check_schema(d, SCHEMA, VERSION, what, "usage")
         f = _fields({k: v for k, v in d.items() if k not in ("schema", "version")},
                     {"model": dict, "tokens": int, "prompts": int, "corpus": dict, "layers": list, "engram": list},
                     what)
@@ -253,6 +250,14 @@ def _format(v: Any, depth: int) -> str:
     if isinstance(v, list) and any(isinstance(x, (dict, list)) for x in v):
         return "[\n" + ",\n".join(inner + _format(x, depth + 1) for x in v) + "\n" + pad + "]"
     return json.dumps(v)
+
+
+def check_schema(d: Any, schema: str, version: int, what: str, kind: str) -> None:
+    """A jds41 JSON file of `kind` names its schema and version; anything else is refused before it is read."""
+    if not isinstance(d, dict) or d.get("schema") != schema:
+        raise UsageError(f"{what}: not a jds41 {kind} file (schema {schema!r} expected)")
+    if d.get("version") != version:
+        raise UsageError(f"{what}: {kind} schema version {d.get('version')!r}, this jds41 reads {version}")
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:
