@@ -23,6 +23,7 @@ from jds41 import model as M
 from jds41.checkpoints import open_model
 from jds41.errors import Jds41Error
 from jds41.layers.engram_rows import EngramHasher, MmapRowSource, read_step_rows
+from jds41.tiers.experts import take_failure
 from jds41.tokenizer import Tokenizer
 from jds41.weights import load_params
 
@@ -136,7 +137,19 @@ class Session:
 
     # ---- model calls ---------------------------------------------------------------------------------------
     def feed(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
-        """Append tokens; returns the logits after the last one [V] (or after each one, [T, V])."""
+        """Append tokens; returns the logits after the last one [V] (or after each one, [T, V]).
+
+        A failed SSD expert read inside the step raises that read's error (ExpertReadError, naming the file, layer
+        and expert), never a wrong token; the session's state is then unusable and the caller drops it."""
+        try:
+            return self._feed(tokens, all_logits)
+        except Exception as e:
+            cause = take_failure()
+            if cause is not None:
+                raise cause from e
+            raise
+
+    def _feed(self, tokens: Sequence[int], all_logits: bool) -> np.ndarray:
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise RequestError("no tokens to feed")

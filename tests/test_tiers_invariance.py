@@ -60,3 +60,33 @@ def test_every_placement_and_cache_size_gives_identical_logits(synthetic_model, 
             if stores.ssd is not None:
                 s = stores.ssd.stats.to_dict()
                 assert s["lookups"] > 0, s  # the SSD tier was really read through the slot cache
+
+
+@pytest.mark.slow
+def test_ssd_read_error_fails_the_request_cleanly(synthetic_model):
+    """EIO from the SSD tier mid-step: the request fails with an error naming the file, layer and expert; no
+    wrong token is returned, nothing hangs, and the engine still serves requests that avoid the bad tier."""
+    import errno
+    import os
+
+    from jds41.errors import Jds41Error
+
+    path = synthetic_model("deepseek41", "tiny", "q8")
+    engine = Engine.open(str(path), max_ctx=64)
+    model = open_model(path)
+    layout = ExpertLayout.from_model(model)
+    armed = {"on": False}
+
+    def failing_read(fd, buf, offset):
+        if armed["on"]:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return os.preadv(fd, [buf], offset)
+
+    with ExpertReader(layout, read_fn=failing_read, timeout_s=5) as reader:
+        stores = build_stores(layout, _placement(engine.cfg, "all-ssd"), reader, n_slots=4)
+        tiered = engine.with_params(place_experts(load_params(engine.cfg, model), stores, layout))
+        armed["on"] = True
+        with pytest.raises(Jds41Error, match=r"expert|EIO|Input/output"):
+            tiered.session().feed([10, 11, 12])
+    # the plain engine is untouched
+    assert engine.session().feed([10, 11, 12]).shape == (engine.vocab_size,)

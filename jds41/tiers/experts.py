@@ -26,6 +26,16 @@ import numpy as np
 from jds41.quant import QTensor
 
 STACKS = ("gate", "up", "down")
+# Errors raised by host expert reads inside a step, newest last: `take_failure` hands them to the engine, which
+# turns the opaque XLA callback failure back into the read error that caused it.
+FAILURES: list[Exception] = []
+
+
+def take_failure() -> Exception | None:
+    """The newest host-read error since the last call (and forget the others), or None."""
+    err = FAILURES[-1] if FAILURES else None
+    FAILURES.clear()
+    return err
 
 
 class HostExpertSource(Protocol):
@@ -75,8 +85,13 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
                        for n in STACKS)
 
         def fetch(idx, mask):
-            return tuple(np.asarray(a, dtype=s.dtype).reshape(s.shape)
-                         for a, s in zip(tl.source.fetch(tl.layer, np.asarray(idx), np.asarray(mask)), shapes))
+            try:
+                rows = tl.source.fetch(tl.layer, np.asarray(idx), np.asarray(mask))
+            except Exception as e:
+                # XLA reports a failed callback as its own runtime error; keep ours for the engine to re-raise.
+                FAILURES.append(e)
+                raise
+            return tuple(np.asarray(a, dtype=s.dtype).reshape(s.shape) for a, s in zip(rows, shapes))
 
         def call():
             return jax.experimental.io_callback(fetch, shapes, idx_K, on_ssd)
