@@ -77,7 +77,8 @@ class Engine:
 
             params, tiers = open_tiers(gguf, params, profile, usage)
         lean = tiers.profile.router_lean if tiers is not None else None
-        plan = M.make_plan(cfg, ctx, lean_margin=lean.margin if lean is not None and lean.enabled else None)
+        plan = M.make_plan(cfg, ctx, lean_margin=lean.margin if lean is not None and lean.enabled else None,
+                           lookahead=tiers is not None and tiers.profile.lookahead_depth > 0)
         return cls(path, gguf, params, plan, Tokenizer.from_metadata(gguf.metadata, path), engram,
                    time.perf_counter() - t0, tiers)
 
@@ -157,6 +158,8 @@ class Session:
         eng = self.engine
         out = []
         i = 0
+        if eng.tiers is not None:
+            eng.tiers.prefetch_tokens(tokens)  # token ids are known now: start the hash layers' SSD reads
         while len(tokens) - i >= PREFILL_CHUNK:
             chunk = tokens[i:i + PREFILL_CHUNK]
             rows = self._engram_rows(chunk)

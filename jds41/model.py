@@ -33,7 +33,7 @@ from jds41.layers.norm import rms_norm
 from jds41.layers.rope import layer_rope_freqs
 from jds41.layers.router import route
 from jds41.quant import QTensor, qmatvec
-from jds41.tiers.experts import select_experts
+from jds41.tiers.experts import prefetch_experts, select_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +66,15 @@ class ModelPlan:
     # (lax.cond); "always" calls on every step of layers with SSD experts, which is what works under vmap (JAX has no
     # IO effects in a vmapped cond), so the continuously batched step uses it.
     ssd_call: str = "on-miss"
+    # Look-ahead (DESIGN.md §3): layer l predicts layer l+1's experts with layer l+1's router on its own FFN input and
+    # asks the host to start reading the predicted SSD experts, so the reads overlap the rest of layer l.
+    lookahead: bool = False
 
     def n_rows(self, ratio: int) -> int:
         return -(-self.max_ctx // ratio)
 
 
-def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None) -> ModelPlan:
+def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None, lookahead: bool = False) -> ModelPlan:
     layers = []
     for i in range(cfg.n_layers):
         r = cfg.ratio(i)
@@ -92,7 +95,7 @@ def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None) 
             uses_candidates=cfg.shared_kv and cand >= 0 and i > cand and runs_indexer,
             engram_slot=cfg.engram.layer_ids.index(i) if cfg.is_engram_layer(i) else -1,
             hash_layer=cfg.is_hash_layer(i)))
-    return ModelPlan(cfg=cfg, max_ctx=max_ctx, layers=tuple(layers), lean_margin=lean_margin)
+    return ModelPlan(cfg=cfg, max_ctx=max_ctx, layers=tuple(layers), lean_margin=lean_margin, lookahead=lookahead)
 
 
 def init_state(plan: ModelPlan) -> dict:
@@ -166,6 +169,20 @@ def _update_latent_keys(cfg, w, idx_st, latent, pos, ratio, freqs):
     return {"keys": jax.lax.dynamic_update_index_in_dim(idx_st["keys"], jnp.where(emitted, key, old), block, 0)}
 
 
+def _predict_next(plan: ModelPlan, lp: LayerPlan, params: dict, h_D) -> jax.Array:
+    """Layer l+1's likely experts from layer l's FFN input and layer l+1's router ([K], -1 when not predicted);
+    the predicted SSD experts are handed to the host for prefetch (no result, so the graph never waits)."""
+    k = plan.cfg.n_experts_used
+    nxt = lp.index + 1
+    if not plan.lookahead or nxt >= plan.cfg.n_layers or plan.layers[nxt].hash_layer:
+        return jnp.full((k,), -1, jnp.int32)
+    w_next = params["blocks"][nxt]
+    guess = route(h_D, w_next["ffn_gate_inp"], w_next["exp_probs_b"], plan.cfg).idx_K
+    if "routed" in w_next:
+        prefetch_experts(w_next["routed"], guess)
+    return guess
+
+
 def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
     """(FFN output [D], the routed expert ids [K] that produced it, experts the router lean swapped in)."""
     cfg = plan.cfg
@@ -199,9 +216,10 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
          trace_routing: bool = False):
     """One token through the model: (logits [V], new state). `engram_rows` [n_engram_layers, n_buckets, bytes].
 
-    `trace_routing=True` (static) also returns {"experts": int32 [n_layers, K], "swaps": int32 [n_layers]}: the
-    routed expert ids of every layer (usage profiling, per-tier statistics) and how many the router lean swapped
-    in; they are values the step computes anyway, so the logits and state are the same.
+    `trace_routing=True` (static) also returns {"experts": int32 [n_layers, K], "swaps": int32 [n_layers],
+    "predicted_next": int32 [n_layers, K]}: the routed expert ids of every layer (usage profiling, per-tier
+    statistics), how many the router lean swapped in, and layer l's look-ahead guess for layer l+1 (-1: none);
+    values the step computes anyway, so the logits and state are the same.
     """
     cfg = plan.cfg
     pos = state["pos"]
@@ -210,7 +228,7 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
     shared: dict = {}
     # V4.1 lag: each sublayer collapses with the `pre` handed over by the previous sublayer.
     pre_prev = hc_onehot_pre(cfg.hc_mult)
-    routing, swaps = [], []  # per layer; dead code for XLA unless trace_routing returns them
+    routing, swaps, predicted = [], [], []  # per layer; dead code for XLA unless trace_routing returns them
     for lp in plan.layers:
         w = params["blocks"][lp.index]
         if lp.engram_slot >= 0:
@@ -222,6 +240,7 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
             if branch == "attn":
                 out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared)
             else:
+                predicted.append(_predict_next(plan, lp, params, h))
                 out, idx, n_swaps = _ffn_block(plan, lp, w, h, token)
                 routing.append(idx)
                 swaps.append(n_swaps)
@@ -235,7 +254,8 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
     logits = qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
     if trace_routing:
         return logits, {"pos": pos + 1, "layers": new_layers}, {"experts": jnp.stack(routing),
-                                                                 "swaps": jnp.stack(swaps)}
+                                                                 "swaps": jnp.stack(swaps),
+                                                                 "predicted_next": jnp.stack(predicted)}
     return logits, {"pos": pos + 1, "layers": new_layers}
 
 

@@ -42,3 +42,20 @@ def test_lean_margin_zero_is_invariant_and_a_wide_margin_swaps(synthetic_model, 
     assert (fast >= wide.cfg.n_experts_used).all()
     hashed = sum(wide.cfg.is_hash_layer(i) for i in range(wide.cfg.n_layers))
     assert stats["ssd"]["lookups"] <= hashed * wide.cfg.n_experts_used * len(tokens)
+
+
+@pytest.mark.slow
+def test_lookahead_and_exact_hash_prefetch_change_nothing_but_the_cache(synthetic_model):
+    """ssd-heavy (look-ahead on): same tokens as the plain model; next-layer predictions are made and scored, and
+    prefetched experts (predicted or hash-layer exact) are found in the slot cache by the step that needs them."""
+    path = str(synthetic_model("deepseek41", "tiny", "q8"))
+    prompt = np.random.default_rng(4).integers(8, 512, 6).tolist()
+    want = list(Engine.open(path, max_ctx=64).session().generate(prompt, 10))
+    engine = Engine.open(path, max_ctx=64, profile="ssd-heavy")
+    assert engine.plan.lookahead
+    assert list(engine.session().generate(prompt, 10)) == want
+    stats = engine.tiers.stats()
+    la = stats["lookahead"]
+    assert la["predictions"] > 0 and 0 <= la["correct"] <= la["predictions"]
+    cache = stats["ssd"]["slot_cache"]
+    assert cache["prefetches"] > 0 and cache["prefetch_used"] > 0

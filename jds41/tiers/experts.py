@@ -112,6 +112,19 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
     return selected
 
 
+def prefetch_experts(tl: TieredLayer, guess_K: jax.Array) -> None:
+    """Hand predicted experts of a layer to its SSD source to start reading (a host call with no result: the graph
+    does not wait for it). Only layers with SSD experts make the call."""
+    if tl.source is None:
+        return
+    on_ssd = tl.tier_E[guess_K] == 2
+
+    def start(idx, mask):
+        tl.source.prefetch([(tl.layer, int(e)) for e, m in zip(np.asarray(idx), np.asarray(mask)) if m])
+
+    jax.experimental.io_callback(start, None, guess_K, on_ssd, ordered=False)
+
+
 def place_experts(params: dict, stores, layout) -> dict:
     """`params` with each placed layer's routed stacks replaced by a `TieredLayer` (key "routed") built from the
     stores of a placement (jds41.tiers.stores.build_stores): tier-0 and tier-1 stacks, the tier table, and the

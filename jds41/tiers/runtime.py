@@ -33,14 +33,24 @@ class TierRuntime:
     expert_bytes: np.ndarray  # [L] bytes of one expert (gate + up + down)
     lookups: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3, np.int64))
     bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3, np.int64))
+    hash_tables: dict = dataclasses.field(default_factory=dict)  # hash layer -> tid2eid [V, K] (numpy)
     tokens: int = 0
     lean_swaps: int = 0
+    predictions: int = 0  # look-ahead: experts predicted for the next layer
+    predictions_correct: int = 0  # ... that the next layer did select
 
     def record(self, routing: dict) -> None:
         """Count the selections of T tokens (traced routing: experts [T, n_layers, K], swaps [T, n_layers]) by the
         tier that served them, and the router lean's swaps."""
         routing_TLK = np.asarray(routing["experts"])
         self.lean_swaps += int(np.asarray(routing["swaps"]).sum())
+        guess = np.asarray(routing["predicted_next"])[:, :-1]  # layer l's guess for layer l+1
+        made = guess[..., 0] >= 0
+        if made.any():
+            actual = routing_TLK[:, 1:]
+            hits = (guess[..., :, None] == actual[..., None, :]).any(-1).sum(-1)
+            self.predictions += int(made.sum() * guess.shape[-1])
+            self.predictions_correct += int(hits[made].sum())
         layers = np.arange(routing_TLK.shape[1])[None, :, None]
         tiers = self.tier_LE[layers, routing_TLK]
         sizes = np.broadcast_to(self.expert_bytes[layers], routing_TLK.shape)
@@ -49,9 +59,18 @@ class TierRuntime:
             self.bytes[t] += int(sizes[tiers == t].sum())
         self.tokens += routing_TLK.shape[0]
 
+    def prefetch_tokens(self, tokens) -> None:
+        """Exact prefetch: hash-layer experts depend on token ids alone, so their SSD reads start before the step."""
+        if self.stores.ssd is None:
+            return
+        keys = [(layer, int(e)) for layer, table in self.hash_tables.items() for t in tokens for e in table[int(t)]]
+        self.stores.ssd.prefetch(keys)
+
     def stats(self) -> dict:
         total = max(int(self.lookups.sum()), 1)
         out = {"profile": self.profile.name, "tokens": self.tokens, "router_lean_swaps": self.lean_swaps,
+               "lookahead": {"predictions": self.predictions, "correct": self.predictions_correct,
+                             "accuracy": round(self.predictions_correct / max(self.predictions, 1), 4)},
                "placement_experts": dict(zip(TIER_NAMES, map(int, self.placement.tier_experts))),
                "placement_bytes": dict(zip(TIER_NAMES, map(int, self.placement.tier_bytes)))}
         for t, name in enumerate(TIER_NAMES):
@@ -76,5 +95,8 @@ def open_tiers(gguf, params: dict, profile_name: str, usage_path: str | None = N
     sizes = np.zeros(tier_LE.shape[0], np.int64)
     for layer in layout.layers:
         sizes[layer] = sum(s.expert_bytes for s in layout.stacks[layer])
+    cfg = gguf.config
+    hash_tables = {i: np.asarray(gguf.typed(f"blk.{i}.ffn_gate_tid2eid.weight")).reshape(cfg.vocab_size, -1)
+                   for i in range(cfg.n_layers) if cfg.is_hash_layer(i)}
     return place_experts(params, stores, layout), TierRuntime(profile, placement, layout, reader, stores,
-                                                              tier_LE.astype(np.int64), sizes)
+                                                              tier_LE.astype(np.int64), sizes, hash_tables=hash_tables)
