@@ -76,6 +76,10 @@ class Engine:
             from jds41.tiers.runtime import open_tiers  # the tier machinery loads only when a profile asks for it
 
             params, tiers = open_tiers(gguf, params, profile, usage)
+            if engram is not None:  # the profile also says where the Engram tables are read from
+                from jds41.tiers.engram_store import row_source_for
+
+                engram = (engram[0], row_source_for(gguf, cfg.engram, tiers.profile.engram_tables))
         lean = tiers.profile.router_lean if tiers is not None else None
         plan = M.make_plan(cfg, ctx, lean_margin=lean.margin if lean is not None and lean.enabled else None,
                            lookahead=tiers is not None and tiers.profile.lookahead_depth > 0)
