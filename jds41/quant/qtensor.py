@@ -85,7 +85,8 @@ class QTensor:
             if raw.dtype != dtype:
                 raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1).view(dtype)
             if raw.size != math.prod(shape):
-                raise ValueError(f"{qtype.name} tensor of shape {shape} needs {math.prod(shape)} values, got {raw.size}")
+                raise ValueError(f"{qtype.name} tensor of shape {shape} needs {math.prod(shape)} values, "
+                                 f"got {raw.size}")
             return cls(raw.reshape(shape), qtype, shape, act_round)
         want = byte_shape(qtype, shape)
         if raw.nbytes != math.prod(want):
