@@ -25,7 +25,8 @@ from jds41.errors import Jds41Error
 from jds41.layers.engram_rows import EngramHasher, MmapRowSource, read_step_rows
 from jds41.tiers.experts import take_failure
 from jds41.tokenizer import Tokenizer
-from jds41.weights import load_params
+from jds41.tiers.loader import load_tensors
+from jds41.weights import load_params, matrix_names
 
 PREFILL_CHUNK = 32  # tokens per prefill scan call: one compiled program serves every prompt length
 # Engine.open(numerics=...) -> QTensor.act_round. "llamacpp" rounds activations before quantized products as
@@ -54,10 +55,11 @@ class Engine:
         self.engram = engram
         self.load_seconds = load_seconds
         self.tiers = tiers  # jds41.tiers.runtime.TierRuntime when a profile placed the experts, else None
+        self.load_stats: dict = {}  # bytes, seconds, GB/s and O_DIRECT use of the bulk read (set by open)
 
     @classmethod
     def open(cls, path: str, max_ctx: int | None = None, numerics: str = "jds41", profile: str | None = None,
-             usage: str | None = None) -> Engine:
+             usage: str | None = None, progress: bool = False) -> Engine:
         """Open a model; with `profile` (a shipped name or a JSON path) the routed experts are placed across HBM,
         pinned host memory and the SSD by it (`usage`: a usage.json overriding the profile's placement source)."""
         if numerics not in NUMERICS:
@@ -70,7 +72,11 @@ class Engine:
         if cfg.engram is not None:
             token_map = np.asarray(gguf.metadata[f"{cfg.arch}.engram.token_map"], np.int64)
             engram = (EngramHasher(cfg.engram, token_map), MmapRowSource.from_model(gguf, cfg.engram))
-        params = load_params(cfg, gguf, act_round=NUMERICS[numerics])
+        # Bulk tensors on 8 O_DIRECT threads into their final buffers (DESIGN.md §6); with a profile the routed
+        # stacks are left to the tier stores, which read only what each tier holds.
+        loaded = load_tensors(gguf, matrix_names(cfg, with_routed_experts=profile is None), progress=progress)
+        params = load_params(cfg, gguf, act_round=NUMERICS[numerics], raw=loaded.arrays,
+                             with_routed_experts=profile is None)
         tiers = None
         if profile is not None:
             from jds41.tiers.runtime import open_tiers  # the tier machinery loads only when a profile asks for it
@@ -83,8 +89,12 @@ class Engine:
         lean = tiers.profile.router_lean if tiers is not None else None
         plan = M.make_plan(cfg, ctx, lean_margin=lean.margin if lean is not None and lean.enabled else None,
                            lookahead=tiers is not None and tiers.profile.lookahead_depth > 0)
-        return cls(path, gguf, params, plan, Tokenizer.from_metadata(gguf.metadata, path), engram,
-                   time.perf_counter() - t0, tiers)
+        engine = cls(path, gguf, params, plan, Tokenizer.from_metadata(gguf.metadata, path), engram,
+                     time.perf_counter() - t0, tiers)
+        engine.load_stats = {"bytes": loaded.bytes, "seconds": round(loaded.seconds, 3),
+                             "gb_per_s": round(loaded.bytes / max(loaded.seconds, 1e-9) / 1e9, 3),
+                             "direct_io": loaded.direct_io}
+        return engine
 
     @property
     def max_ctx(self) -> int:

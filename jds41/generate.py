@@ -56,7 +56,7 @@ def _prompt_ids(args: argparse.Namespace, engine: Engine) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    engine = Engine.open(args.model, max_ctx=args.ctx, profile=args.profile, usage=args.usage)
+    engine = Engine.open(args.model, max_ctx=args.ctx, profile=args.profile, usage=args.usage, progress=True)
     prompt = _prompt_ids(args, engine)
     if not prompt:
         raise Jds41Error("the prompt is empty")
@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "model": args.model, "prompt_tokens": prompt, "tokens": out,
         "text": tok.decode(out) if tok is not None else None,
-        "timings": {"load_s": round(engine.load_seconds, 3), "prompt_s": round((t_first or t_end) - t0, 3),
+        "timings": {"load_s": round(engine.load_seconds, 3), "load": engine.load_stats,
+                    "prompt_s": round((t_first or t_end) - t0, 3),
                     "decode_tok_s": round((len(out) - 1) / decode_s, 2) if len(out) > 1 and decode_s > 0 else None},
         "tiers": engine.tiers.stats() if engine.tiers is not None else None,
     }

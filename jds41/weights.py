@@ -34,32 +34,44 @@ def param_path(name: str) -> tuple[int, str]:
     return -1, m.group(1)
 
 
-def _leaf(kind: Kind, qtype: T, shape: tuple[int, ...], model, name: str, act_round: str | None = None):
+def _leaf(kind: Kind, qtype: T, shape: tuple[int, ...], model, name: str, act_round: str | None = None,
+          raw: dict | None = None):
     if kind in (Kind.MATRIX, Kind.EXPERTS):
-        return QTensor.from_raw(model.raw(name), qtype, shape, act_round)
+        data = raw[name] if raw is not None and name in raw else model.raw(name)
+        return QTensor.from_raw(data, qtype, shape, act_round)
     if kind is Kind.INDEX:
         return jnp.asarray(model.typed(name).reshape(shape))
     return jnp.asarray(model.typed(name).reshape(shape), dtype=jnp.float32)
 
 
-def _tree(cfg: ModelConfig, leaf) -> dict:
-    """The pytree of every non-Engram tensor of the schema, each made by `leaf(name, spec)`."""
+def _tree(cfg: ModelConfig, leaf, skip=lambda name: False) -> dict:
+    """The pytree of every non-Engram tensor of the schema (but those `skip` names), each made by `leaf(name, spec)`."""
     params: dict = {"blocks": [{} for _ in range(cfg.n_blocks)]}
     for name, spec in model_tensors(cfg).items():
-        if spec.kind is Kind.ROWS:
+        if spec.kind is Kind.ROWS or skip(name):
             continue
         layer, short = param_path(name)
         (params["blocks"][layer] if layer >= 0 else params)[short] = leaf(name, spec)
     return params
 
 
-def load_params(cfg: ModelConfig, model, act_round: str | None = None) -> dict:
+def matrix_names(cfg: ModelConfig, with_routed_experts: bool = True) -> list[str]:
+    """The bulk tensors (matrices and expert stacks) that a loader reads; vectors are small and come via mmap."""
+    return [n for n, s in model_tensors(cfg).items()
+            if s.kind is Kind.MATRIX or (s.kind is Kind.EXPERTS and with_routed_experts)]
+
+
+def load_params(cfg: ModelConfig, model, act_round: str | None = None, raw: dict | None = None,
+                with_routed_experts: bool = True) -> dict:
     """Every non-Engram tensor of `model` (a jds41.checkpoints GGUFModel) as the parameter pytree.
 
     `act_round` goes to every QTensor: None (default) or "ggml-cpu" to round activations before quantized products
-    as llama.cpp's CPU backend does (jds41.quant.qtensor docstring)."""
+    as llama.cpp's CPU backend does (jds41.quant.qtensor docstring). `raw` maps tensor names to bytes already read
+    (the O_DIRECT loader's buffers); others come from the file's memory map. Without `with_routed_experts` the
+    routed stacks are left out (the tier stores own them)."""
     return _tree(cfg, lambda name, spec: _leaf(spec.kind, model.tensors[name].ggml_type, spec.shape, model, name,
-                                               act_round))
+                                               act_round, raw),
+                 skip=lambda name: not with_routed_experts and name.endswith("_exps.weight"))
 
 
 def abstract_params(cfg: ModelConfig, types: dict[str, T]) -> dict:
