@@ -29,12 +29,12 @@ def test_lean_margin_zero_is_invariant_and_a_wide_margin_swaps(synthetic_model, 
 
     zero = Engine.open(path, max_ctx=64, profile=_profile(tmp_path, 0.0))
     np.testing.assert_array_equal(zero.session().feed(tokens, all_logits=True), plain)
-    assert zero.tiers.lean_swaps == 0
+    assert zero.tiers.lean_swaps == 0 and zero.tiers.stats()["router_lean_topk_agreement"] == 1.0
 
     wide = Engine.open(path, max_ctx=64, profile=_profile(tmp_path, 100.0))
     wide.session().feed(tokens, all_logits=True)
     stats = wide.tiers.stats()
-    assert stats["router_lean_swaps"] > 0
+    assert stats["router_lean_swaps"] > 0 and stats["router_lean_topk_agreement"] < 1.0
     # every scored layer now picks its K experts from the fastest tiers available: with K=2 and >= 2 experts in
     # HBM + host per layer, no SSD expert is selected on a scored layer
     scored = [i for i in range(wide.cfg.n_layers) if not wide.cfg.is_hash_layer(i)]

@@ -34,6 +34,8 @@ class TierRuntime:
     lookups: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3, np.int64))
     bytes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3, np.int64))
     hash_tables: dict = dataclasses.field(default_factory=dict)  # hash layer -> tid2eid [V, K] (numpy)
+    routing_k: int = 0  # experts per token per layer
+    n_scored_layers: int = 0  # layers routed by score (the lean never touches hash layers)
     tokens: int = 0
     lean_swaps: int = 0
     predictions: int = 0  # look-ahead: experts predicted for the next layer
@@ -68,7 +70,9 @@ class TierRuntime:
 
     def stats(self) -> dict:
         total = max(int(self.lookups.sum()), 1)
+        scored = self.tokens * self.routing_k * self.n_scored_layers  # selections the lean could have changed
         out = {"profile": self.profile.name, "tokens": self.tokens, "router_lean_swaps": self.lean_swaps,
+               "router_lean_topk_agreement": round(1 - self.lean_swaps / scored, 6) if scored else None,
                "lookahead": {"predictions": self.predictions, "correct": self.predictions_correct,
                              "accuracy": round(self.predictions_correct / max(self.predictions, 1), 4)},
                "placement_experts": dict(zip(TIER_NAMES, map(int, self.placement.tier_experts))),
@@ -100,4 +104,6 @@ def open_tiers(gguf, params: dict, profile_name: str, usage_path: str | None = N
     hash_tables = {i: np.asarray(gguf.typed(f"blk.{i}.ffn_gate_tid2eid.weight")).reshape(cfg.vocab_size, -1)
                    for i in range(cfg.n_layers) if cfg.is_hash_layer(i)}
     return place_experts(params, stores, layout), TierRuntime(profile, placement, layout, reader, stores,
-                                                              tier_LE.astype(np.int64), sizes, hash_tables=hash_tables)
+                                                              tier_LE.astype(np.int64), sizes, hash_tables=hash_tables,
+                                                              routing_k=cfg.n_experts_used,
+                                                              n_scored_layers=cfg.n_layers - len(hash_tables))
