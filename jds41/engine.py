@@ -24,8 +24,8 @@ from jds41.checkpoints import open_model
 from jds41.errors import Jds41Error
 from jds41.layers.engram_rows import EngramHasher, MmapRowSource, read_step_rows
 from jds41.tiers.experts import take_failure
-from jds41.tokenizer import Tokenizer
 from jds41.tiers.loader import load_tensors
+from jds41.tokenizer import Tokenizer
 from jds41.weights import load_params, matrix_names
 
 PREFILL_CHUNK = 32  # tokens per prefill scan call: one compiled program serves every prompt length

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from reference.numpy_engram import engram_row_ids
 
 from jds41.checkpoints.presets import preset
 from jds41.layers.engram_rows import EngramHasher
-from reference.numpy_engram import engram_row_ids
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ def _split_type(rhs: str) -> tuple[str, str, str]:
     """'TYPE opcode(operands), attrs' -> (TYPE, opcode, rest); TYPE may be a parenthesized tuple."""
     if rhs.startswith("("):
         depth = 0
-        for i, ch in enumerate(rhs):
+        for i, ch in enumerate(rhs):  # noqa: B007  (i is the closing paren's index after the break)
             depth += {"(": 1, ")": -1}.get(ch, 0)
             if depth == 0:
                 break

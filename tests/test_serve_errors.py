@@ -138,7 +138,8 @@ def test_queue_full_is_503_with_retry_after(server):
 
 
 # ---- fuzzing: any JSON body gives 200 or a 4xx in the OpenAI shape, never a 500 -------------------------
-json_leaf = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8)
+json_leaf = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+             | st.text(max_size=8))
 json_value = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=3)
                           | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
 message = st.fixed_dictionaries({}, optional={"role": st.sampled_from(["user", "assistant", "system", "tool", "x"])

@@ -322,14 +322,16 @@ def test_gguf_template_is_used_sandboxed(meta):
     assert tok.apply_chat_template(CHAT[1:2], tools=[{"name": "<a&b>"}]).endswith('[{"name": "<a&b>"}]')
     with pytest.raises(ChatTemplateError, match="no tools: x"):
         tok.apply_chat_template([{"role": "tool", "content": "x"}])
-    escape = Tokenizer.from_metadata({**meta, "tokenizer.chat_template": "{{ ''.__class__.__mro__[1].__subclasses__() }}"})
+    sneaky = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    escape = Tokenizer.from_metadata({**meta, "tokenizer.chat_template": sneaky})
     with pytest.raises(ChatTemplateError):
         escape.apply_chat_template(CHAT)
     mutate = Tokenizer.from_metadata({**meta, "tokenizer.chat_template": "{{ messages.append(1) }}"})
     with pytest.raises(ChatTemplateError):
         mutate.apply_chat_template(CHAT)
     # An empty template counts as none.
-    assert Tokenizer.from_metadata({**meta, "tokenizer.chat_template": ""}).chat_template_source == "default-deepseek-v4"
+    empty = Tokenizer.from_metadata({**meta, "tokenizer.chat_template": ""})
+    assert empty.chat_template_source == "default-deepseek-v4"
 
 
 # ---- through a GGUF file ----------------------------------------------------------------------------------

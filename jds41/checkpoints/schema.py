@@ -124,7 +124,8 @@ def _compressor_and_indexer(cfg: ModelConfig, i: int, t) -> list[TensorSpec]:
         # lives on the kv-source layers (the checkpoint has 4 `wk` for 8 `wq_b`); index layers read their source's.
         out += [t("indexer.attn_k.weight", (ID, HD), Kind.MATRIX), t("indexer.k_norm.weight", (ID,), Kind.VECTOR)]
     if cfg.has_indexer(i):
-        out += [t("indexer.proj.weight", (IH, D), Kind.MATRIX), t("indexer.attn_q_b.weight", (IH * ID, QL), Kind.MATRIX)]
+        out += [t("indexer.proj.weight", (IH, D), Kind.MATRIX),
+                t("indexer.attn_q_b.weight", (IH * ID, QL), Kind.MATRIX)]
         if not cfg.shared_kv:  # its own overlapped ratio-4 compressor
             out += [t("indexer_compressor_kv.weight", (2 * ID, D), Kind.MATRIX),
                     t("indexer_compressor_gate.weight", (2 * ID, D), Kind.MATRIX),

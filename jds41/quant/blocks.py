@@ -282,6 +282,7 @@ def dequantize(raw, qtype: GGMLQuantizationType, shape: tuple[int, ...] | None =
     if shape is not None:
         want = byte_shape(qtype, shape)
         if raw.size != math.prod(want):
-            raise ValueError(f"{qtype.name} tensor of shape {tuple(shape)} needs {math.prod(want)} bytes, got {raw.size}")
+            raise ValueError(f"{qtype.name} tensor of shape {tuple(shape)} needs {math.prod(want)} bytes, "
+                             f"got {raw.size}")
         raw = raw.reshape(want)
     return dequantize_rows(raw, qtype)

@@ -143,7 +143,8 @@ def _random_bits_blocks(rng, qtype, n):
     ts = GGML_QUANT_SIZES[qtype][1]
     if qtype in (T.F16, T.BF16, T.F32):
         # Keep every element finite: clear the exponent's top bit where the exponent is all ones.
-        u, le, exp_mask, exp_top = {T.F16: (np.uint16, "<u2", 0x7C00, 0x4000), T.BF16: (np.uint16, "<u2", 0x7F80, 0x4000),
+        u, le, exp_mask, exp_top = {T.F16: (np.uint16, "<u2", 0x7C00, 0x4000),
+                                    T.BF16: (np.uint16, "<u2", 0x7F80, 0x4000),
                                     T.F32: (np.uint32, "<u4", 0x7F800000, 0x40000000)}[qtype]
         bits = rng.integers(0, np.iinfo(u).max, n, dtype=u, endpoint=True)
         bits = np.where((bits & u(exp_mask)) == exp_mask, bits & ~u(exp_top), bits).astype(le)

@@ -43,7 +43,8 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
 
     if args.profile not in PROFILES:
         ap.error(f"profile {args.profile!r} is not available for serving yet: the batched step serves all-hbm only "
-                 f"(tiered profiles work in `python -m jds41.generate --profile`; available here: {', '.join(PROFILES)})")
+                 f"(tiered profiles work in `python -m jds41.generate --profile`; available here: "
+                 f"{', '.join(PROFILES)})")
     if args.draft is not None:
         ap.error("--draft is not available yet: speculative decoding lands in a later release (serve without it)")
     if not os.path.exists(args.model):

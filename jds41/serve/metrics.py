@@ -4,7 +4,8 @@ Counters are kept here by the HTTP layer, one `RequestTrace` per request, becaus
 the way the client saw it: a stop string ends a request as `stop` even though the scheduler was told to cancel,
 and a client that disconnects is an `abort`; the end-to-end latency histogram is observed here for the same reason.
 The other latency histograms take the scheduler's own observations (submit to first sample, between samples, time
-in the queue), drained at each scrape; gauges are read live from the scheduler. Each app has its own registry: two servers in one process never share counts.
+in the queue), drained at each scrape; gauges are read live from the scheduler. Each app has its own registry: two
+servers in one process never share counts.
 
 Placeholders, exported at 0 so dashboards and alerts can be built now: prefix cache, speculative decoding and
 the tier metrics (expert lookups and hits per tier, SSD bytes, Engram rows, prefetch, router lean swaps) until the

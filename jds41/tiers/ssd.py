@@ -171,7 +171,7 @@ class DirectFiles:
                 if e.errno == errno.EINVAL and direct:  # some file systems accept the open, refuse the read
                     fd, direct = self._refuse_direct(path, fd, f"O_DIRECT read refused: {e.strerror or e}")
                     continue
-                raise ReadFault(path, f"{_describe(e)} reading {len(view) - got} bytes at offset {offset + got}")
+                raise ReadFault(path, f"{_describe(e)} reading {len(view) - got} bytes at offset {offset + got}") from e
             if n <= 0:
                 break
             got += n
@@ -349,7 +349,8 @@ class ExpertReader:
 
     def _spans(self, keys: list[Key], dests: dict) -> list[Span]:
         """Aligned spans covering every piece; pieces whose aligned ranges touch or overlap share one span."""
-        pieces = sorted((path, off, n, key, i) for key in keys for i, (path, off, n) in enumerate(self.layout.pieces(key)))
+        pieces = sorted((path, off, n, key, i)
+                        for key in keys for i, (path, off, n) in enumerate(self.layout.pieces(key)))
         spans: list[Span] = []
         groups: list[list] = []
         for path, off, n, key, i in pieces:

@@ -234,7 +234,8 @@ class SsdStore(ExpertStore):
     tier = 2
 
     def __init__(self, layout: ExpertLayout, local: dict[Key, int], reader: ExpertReader, n_slots: int, *,
-                 device=None, memory_kind: str | None = None, alpha: float | None = None, timeout_s: float | None = None):
+                 device=None, memory_kind: str | None = None, alpha: float | None = None,
+                 timeout_s: float | None = None):
         super().__init__(local)
         layers = sorted({k[0] for k in self.local})
         signatures = {layout.signature(layer) for layer in layers}
