@@ -140,11 +140,11 @@ def test_greedy_matches_llamacpp(run, seed):
     assert first is None or PROMPT - 1 + first >= onset, detail
 
 
-def test_report_default_numerics_gap(run, record_property):
-    """Not asserted: how far the default (jds41) numerics are from llama.cpp on the quantized files."""
+def test_default_numerics_gap(run, record_property):
+    """How far the default (jds41) numerics are from llama.cpp, reported with -rP. F32: within F32_TOLERANCE.
+    Quantized files: NOT clean even at position 0 (measured ~0.05), which is what makes the clean position 0 of
+    the llamacpp-numerics test a real check of the emulation rather than a property any numerics would have."""
     quant, path, logits, _ = run
-    if quant == "f32":
-        pytest.skip("the default numerics are the checked ones for F32")
     tokens, _, want = logits[300]
     ours = Engine.open(str(path), max_ctx=512).session().feed(tokens[:REPORT_T], all_logits=True)
     err = np.max(np.abs(ours - want[:REPORT_T]), axis=1)
@@ -154,6 +154,10 @@ def test_report_default_numerics_gap(run, record_property):
     record_property("default_numerics_gap", line)
     print(line)
     assert np.isfinite(err).all()
+    if quant == "f32":
+        assert err.max() <= F32_TOLERANCE, line
+    else:
+        assert err[0] > CLEAN_TOL, line
 
 
 def _ggml(lib: str) -> ctypes.CDLL:

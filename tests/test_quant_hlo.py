@@ -101,7 +101,7 @@ def skip_small_off_cpu(dims):
     if dims[0] * dims[1] < 2048 * 4096 and jax.default_backend() != "cpu":
         # seen on an H200 (jax 0.11.2): XLA:GPU's cost model splits small products on purpose (a 256x1024 MXFP4
         # product was written out, and a naive Q8_0 gemv was fused); at 2048x4096 and up every type stays fused
-        pytest.skip("small-size fusion choices are XLA:CPU-only facts")
+        pytest.skip("on the GPU: small-size fusion choices are XLA:CPU-only facts")
 
 
 @pytest.mark.parametrize("qtype", QUANT, ids=lambda t: t.name)
