@@ -158,7 +158,9 @@ def _stacks_for(layout: ExpertLayout, local: dict[Key, int], reader: ExpertReade
     stacks = {}
     for layer in layout.layers:
         keys = sorted((k for k in local if k[0] == layer), key=local.get)
-        rows = max(len(keys), 1)
+        # At least 2 rows: XLA:GPU turns indexing a 1-row array into a bitcast, which may not cross from pinned
+        # host memory to the device (seen on the H200, jax 0.11.2: "Bitcast cannot have different memory spaces").
+        rows = max(len(keys), 2)
         bufs = [np.zeros((rows, s.expert_bytes), np.uint8) for s in layout.stacks[layer]]
         if keys:
             nbytes = len(keys) * layout.expert_nbytes(layer)
