@@ -54,10 +54,11 @@ class TieredLayer:
     local_E: jax.Array  # int32 [E]: index within its tier's stack (unused for the SSD)
     layer: int
     source: HostExpertSource | None = None  # None when nothing of this layer is on the SSD
+    has_host: bool = True  # False: no tier-1 expert in this layer, so the graph moves no host rows at all
 
 
 jax.tree_util.register_dataclass(TieredLayer, data_fields=["hbm", "host", "tier_E", "local_E"],
-                                 meta_fields=["layer", "source"])
+                                 meta_fields=["layer", "source", "has_host"])
 
 
 def _host_rows(q: QTensor, local_K: jax.Array) -> jax.Array:
@@ -105,9 +106,10 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
             ssd = call()
     selected = {}
     for i, n in enumerate(STACKS):
-        hbm = jnp.take(tl.hbm[n].data, jnp.where(tier_K == 0, local_K, 0), axis=0)
-        host = _host_rows(tl.host[n], jnp.where(tier_K == 1, local_K, 0))
-        rows = jnp.where((tier_K == 1)[:, None, None], host, hbm)
+        rows = jnp.take(tl.hbm[n].data, jnp.where(tier_K == 0, local_K, 0), axis=0)
+        if tl.has_host:  # each gathered host row crosses PCIe: skip it where the layer has no tier-1 expert
+            host = _host_rows(tl.host[n], jnp.where(tier_K == 1, local_K, 0))
+            rows = jnp.where((tier_K == 1)[:, None, None], host, rows)
         if tl.source is not None:
             rows = jnp.where(on_ssd[:, None, None], ssd[i], rows)
         ref = tl.hbm[n]
@@ -141,6 +143,6 @@ def place_experts(params: dict, stores, layout) -> dict:
             block["routed"] = TieredLayer(
                 hbm=dict(stores.device.stacks[layer]), host=dict(stores.host.stacks[layer]),
                 tier_E=jnp.asarray(tier_LE[layer], jnp.int32), local_E=jnp.asarray(np.maximum(local_LE[layer], 0)),
-                layer=layer, source=stores.ssd if on_ssd else None)
+                layer=layer, source=stores.ssd if on_ssd else None, has_host=bool((tier_LE[layer] == 1).any()))
         blocks.append(block)
     return {**params, "blocks": blocks}
