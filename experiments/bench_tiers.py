@@ -5,7 +5,7 @@ file laid out like GGUF expert stacks (random bytes: bandwidth does not care abo
 - ssd:  ExpertReader (8 O_DIRECT threads, 1 MiB requests) reading every expert, 6 at a time (one layer's top-6);
         raw figure 1.9 GB/s (8 threads, 1 MiB O_DIRECT on the GPU box).
 - host: HostStore stacks in pinned_host memory, 6 experts per layer gathered inside one jitted step by the graph's
-        own path (tiers/experts._host_rows: dynamic index into the whole host array, then device_put), 8 layers
+        own path (tiers/experts.host_rows: dynamic index into the whole host array, then device_put), 8 layers
         per step; raw figure 48 GB/s (same mechanism, DESIGN.md §7) / 55 GB/s (whole-array transfer).
 - slot: SsdStore.fetch through the slot cache (cold then warm), the host call the graph makes on an SSD miss.
 Prints one JSON line. CPU runs check the code path only (memory kinds are labels there): not speed figures.
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from jds41.tiers.experts import _host_rows
+from jds41.tiers.experts import host_rows
 from jds41.tiers.ssd import ExpertReader
 from jds41.tiers.stores import ExpertLayout, HostStore, SsdStore, Stack
 
@@ -86,7 +86,7 @@ def bench_host(layout: ExpertLayout, experts: int, steps: int) -> dict:
         total = jnp.zeros((), jnp.uint32)
         for layer, st in enumerate(stacks):
             for k in ("gate", "up", "down"):
-                rows = _host_rows(st[k], idx_LK[layer])
+                rows = host_rows(st[k], idx_LK[layer])
                 total = total + jnp.sum(rows, dtype=jnp.uint32)  # every byte must arrive on the device
         return total
 

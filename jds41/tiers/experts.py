@@ -22,6 +22,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
 from jds41.quant import QTensor
 
@@ -61,7 +62,7 @@ jax.tree_util.register_dataclass(TieredLayer, data_fields=["hbm", "host", "tier_
                                  meta_fields=["layer", "source", "has_host"])
 
 
-def _host_rows(q: QTensor, local_K: jax.Array) -> jax.Array:
+def host_rows(q: QTensor, local_K: jax.Array) -> jax.Array:
     """The selected experts' rows from a pinned-host stack, moved to the device.
 
     Each expert is a dynamic index into the WHOLE host array followed by a device_put: DESIGN.md §7 measured this at
@@ -98,7 +99,7 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
             return tuple(np.asarray(a, dtype=s.dtype).reshape(s.shape) for a, s in zip(rows, shapes))
 
         def call():
-            return jax.experimental.io_callback(fetch, shapes, idx_K, on_ssd)
+            return io_callback(fetch, shapes, idx_K, on_ssd)
 
         if on_miss_only:
             ssd = jax.lax.cond(jnp.any(on_ssd), call, lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in shapes))
@@ -108,7 +109,7 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
     for i, n in enumerate(STACKS):
         rows = jnp.take(tl.hbm[n].data, jnp.where(tier_K == 0, local_K, 0), axis=0)
         if tl.has_host:  # each gathered host row crosses PCIe: skip it where the layer has no tier-1 expert
-            host = _host_rows(tl.host[n], jnp.where(tier_K == 1, local_K, 0))
+            host = host_rows(tl.host[n], jnp.where(tier_K == 1, local_K, 0))
             rows = jnp.where((tier_K == 1)[:, None, None], host, rows)
         if tl.source is not None:
             rows = jnp.where(on_ssd[:, None, None], ssd[i], rows)
@@ -127,7 +128,7 @@ def prefetch_experts(tl: TieredLayer, guess_K: jax.Array) -> None:
     def start(idx, mask):
         tl.source.prefetch([(tl.layer, int(e)) for e, m in zip(np.asarray(idx), np.asarray(mask)) if m])
 
-    jax.experimental.io_callback(start, None, guess_K, on_ssd, ordered=False)
+    io_callback(start, None, guess_K, on_ssd, ordered=False)
 
 
 def place_experts(params: dict, stores, layout) -> dict:
