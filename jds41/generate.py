@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from jds41.decode_loop import greedy_generate
 from jds41.engine import Engine, SamplingParams
 from jds41.errors import Jds41Error
 
@@ -37,6 +38,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--logits", metavar="FILE.npy", help="save the logits of every prompt position and step")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
+    ap.add_argument("--step-loop", action="store_true",
+                    help="greedy decode one jitted step per token (the reference path) instead of one device loop")
     return ap.parse_args(argv)
 
 
@@ -69,12 +72,20 @@ def run(args: argparse.Namespace) -> dict:
     out: list[int] = []
     t_first = None
     stream = tok.stream() if tok is not None and not args.json else None
-    for t in session.generate(prompt, args.n_predict, sampling, stop, logits):
-        if t_first is None:
-            t_first = time.perf_counter()
-        out.append(t)
+    if sampling.temperature <= 0 and logits is None and not args.step_loop:
+        # greedy: the whole generation in one device loop (jds41/decode_loop.py), tokens identical to the step loop
+        first = int(np.argmax(session.feed(prompt)))
+        t_first = time.perf_counter()
+        out = greedy_generate(session, first, args.n_predict, stop)
         if stream is not None:
-            print(stream.feed(t), end="", flush=True)
+            print("".join(stream.feed(t) for t in out), end="", flush=True)
+    else:
+        for t in session.generate(prompt, args.n_predict, sampling, stop, logits):
+            if t_first is None:
+                t_first = time.perf_counter()
+            out.append(t)
+            if stream is not None:
+                print(stream.feed(t), end="", flush=True)
     t_end = time.perf_counter()
     if stream is not None:
         print(stream.flush())

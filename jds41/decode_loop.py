@@ -1,0 +1,125 @@
+"""Greedy decode of many tokens in one jitted device loop: the fast path of `Session.generate` at temperature 0.
+
+`Session.generate` runs one jitted step per token and returns to Python between steps (argmax, stop check, Engram
+hashing, tier bookkeeping). On a GPU that round trip is a host sync per token. Here the whole generation is one
+`lax.while_loop` over the same `model.step`: the argmax, the stop-token test and the context limit are device
+operations, so the host is only entered where it has to be:
+
+- Engram rows depend on the token ids alone; one host call per step (`io_callback`) hashes the newest n-gram
+  contexts and reads the rows from the engine's row source, and in the same call starts the SSD reads of the
+  hash-layer experts of the token about to be fed (exact prefetch, DESIGN.md §3/§4: one host call per step for
+  everything known from token ids). Models without Engram make no such call.
+- SSD experts still enter through the tiers' own host call inside the step, only on a miss.
+
+The loop feeds exactly the tokens `Session.generate` would feed (the last generated token and a stop token are
+never fed), with the same per-token arithmetic, so its tokens equal the reference path's (tests/test_decode_loop.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from jds41 import model as M
+from jds41.layers.engram_rows import read_step_rows
+
+MAX_STOP_IDS = 8  # stop ids are a fixed-size array (padded with -1) so the loop compiles once per model
+
+
+def _engram_fn(engine):
+    """Host callback: (newest token, previous n-1 tokens with -1 for "none", how many of them are real) -> the
+    token's Engram rows [n_layers, n_buckets, row_bytes] uint8; also starts the hash-layer experts' SSD reads."""
+    hasher, source = engine.engram
+    tiers = engine.tiers
+
+    def rows(tok, hist, n_hist):
+        tok, n_hist = int(tok), int(n_hist)
+        history = np.asarray(hist)[len(hist) - n_hist:] if n_hist else np.zeros((0,), np.int64)
+        if tiers is not None:
+            tiers.prefetch_tokens([tok])
+        return read_step_rows(source, hasher.row_ids_seq([tok], history))[0]
+
+    return rows
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=5)
+def _loop(plan: M.ModelPlan, n_max: int, rows_fn, trace: bool, params, state, first, history, n_hist, stop_ids):
+    cfg = plan.cfg
+    n_ctx = cfg.engram.max_ngram - 1 if cfg.engram is not None else 0
+    L, K = cfg.n_layers, cfg.n_experts_used
+    out = jnp.full((n_max,), -1, jnp.int32).at[0].set(first)
+    routing = {"experts": jnp.zeros((n_max, L, K), jnp.int32), "swaps": jnp.zeros((n_max, L), jnp.int32),
+               "predicted_next": jnp.full((n_max, L, K), -1, jnp.int32)}
+
+    def stop(tok):
+        return jnp.any(tok == stop_ids)
+
+    def cond(c):
+        st, tok, count = c[0], c[1], c[2]
+        return (count < n_max) & ~stop(tok) & (st["pos"] < plan.max_ctx)
+
+    def body(c):
+        st, tok, count, out, hist, n_hist, routing = c
+        rows = None
+        if rows_fn is not None:
+            shape = (len(cfg.engram.layer_ids), cfg.engram.n_buckets, cfg.engram.row_bytes)
+            rows = io_callback(rows_fn, jax.ShapeDtypeStruct(shape, jnp.uint8), tok, hist, n_hist, ordered=False)
+        res = M.step(plan, params, st, tok, rows, trace)
+        logits, st = res[0], res[1]
+        nxt = jnp.argmax(logits).astype(jnp.int32)  # first maximum, like numpy's argmax in engine.sample
+        if trace:
+            # the trace of the step that fed token `count - 1` (Session.generate records the same steps)
+            routing = jax.tree.map(lambda buf, v: buf.at[count - 1].set(v), routing, res[2])
+        if n_ctx:
+            hist = jnp.concatenate([hist[1:], tok[None]])
+            n_hist = jnp.minimum(n_hist + 1, n_ctx)
+        return st, nxt, count + 1, out.at[count].set(nxt), hist, n_hist, routing
+
+    carry = (state, first, jnp.int32(1), out, history, n_hist, routing)
+    st, _, count, out, _, _, routing = jax.lax.while_loop(cond, body, carry)
+    return out, count, st, routing
+
+
+def greedy_generate(session, first_token: int, max_new: int, stop_ids=()) -> list[int]:
+    """Tokens `Session.generate` would yield at temperature 0 after its first one (`first_token`, the argmax of the
+    prompt's logits, already chosen by the caller), all in one device loop; the session's state and history advance
+    exactly as the reference loop would leave them. Returns every generated token, `first_token` included."""
+    eng = session.engine
+    cfg = eng.cfg
+    if max_new < 1:
+        return []
+    stop = [int(s) for s in stop_ids]
+    if len(stop) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop)}")
+    stop_arr = jnp.asarray(stop + [-1] * (MAX_STOP_IDS - len(stop)), jnp.int32)
+    n_ctx = cfg.engram.max_ngram - 1 if cfg.engram is not None else 0
+    tail = session.tokens[max(0, len(session.tokens) - n_ctx):] if n_ctx else []
+    hist = np.full((max(n_ctx, 1),), -1, np.int32)
+    if tail:
+        hist[len(hist) - len(tail):] = tail
+    rows_fn = _rows_fn(eng) if eng.engram is not None else None
+    trace = eng.tiers is not None
+    out, count, state, routing = _loop(eng.plan, max_new, rows_fn, trace, eng.params, session.state,
+                                       jnp.int32(first_token), jnp.asarray(hist), jnp.int32(len(tail)), stop_arr)
+    produced = [int(t) for t in np.asarray(out[:int(count)])]
+    fed = produced[:-1]  # every iteration fed the newest token and produced the next; the last is never fed
+    session.state = state
+    session.tokens += fed
+    if trace and fed:
+        eng.tiers.record(jax.tree.map(lambda a: np.asarray(a[:len(fed)]), routing))
+    return produced
+
+
+_ROWS_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _rows_fn(engine):
+    """One callback object per engine, so the jitted loop (the callback is a static argument) compiles once."""
+    if engine not in _ROWS_FNS:
+        _ROWS_FNS[engine] = _engram_fn(engine)
+    return _ROWS_FNS[engine]
