@@ -279,3 +279,28 @@ def test_engram_rows_option(tmp_path):
     embd = next(t for t in r.tensors if t.name == "blk.1.engram_embd.weight")
     assert tuple(reversed(embd.shape.tolist())) == (tiny.engram.rows[0], 33)
     assert json.loads(json.dumps(meta["deepseek41.engram.token_map"]))[:3] == [0, 1, 2]
+
+
+def test_fast_files_keep_the_layout_and_cycle_a_pool_of_experts(tmp_path, monkeypatch):
+    """--fast (speed benchmarks): same tensors, types and shapes as a normal file; experts repeat a pool of
+    FAST_EXPERT_POOL distinct random experts; Q8_0 matrices dequantize to std ~1/sqrt(fan_in)."""
+    from jds41.checkpoints import open_model
+    from jds41.quant import dequantize
+
+    monkeypatch.setattr(synth, "FAST_EXPERT_POOL", 3)  # tiny has 8 experts per layer
+    cfg = preset("deepseek41", "tiny")
+    normal, fast = tmp_path / "normal.gguf", tmp_path / "fast.gguf"
+    synth.write_synthetic(normal, cfg, quant="q8", progress=False)
+    synth.write_synthetic(fast, cfg, quant="q8", progress=False, fast=True)
+    a, b = open_model(normal), open_model(fast)  # open_model validates the whole file
+    assert {n: (t.ggml_type, t.shape) for n, t in a.tensors.items()} == \
+           {n: (t.ggml_type, t.shape) for n, t in b.tensors.items()}
+    pool = synth.FAST_EXPERT_POOL
+    n_exp = b.tensors["blk.0.ffn_up_exps.weight"].shape[0]
+    experts = np.asarray(b.raw("blk.0.ffn_up_exps.weight")).reshape(n_exp, -1)
+    assert n_exp > pool
+    for e in range(pool, n_exp):
+        np.testing.assert_array_equal(experts[e], experts[e - pool])
+    assert len({experts[e].tobytes() for e in range(pool)}) == pool
+    w = np.asarray(dequantize(b.raw("blk.0.attn_q_b.weight"), T.Q8_0, b.tensors["blk.0.attn_q_b.weight"].shape))
+    assert abs(w.std() * np.sqrt(w.shape[-1]) - 1.0) < 0.1

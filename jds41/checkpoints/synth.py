@@ -135,8 +135,12 @@ def _values(spec: TensorSpec, rng: np.random.Generator, n: int, cols: int) -> np
     raise AssertionError(f"no value rule for vector tensor {name}")
 
 
-def _chunks(spec: TensorSpec, qtype: T, cfg: ModelConfig, rng: np.random.Generator, quantized) -> Iterator[bytes]:
+def _chunks(spec: TensorSpec, qtype: T, cfg: ModelConfig, rng: np.random.Generator, quantized,
+            fast: bool = False) -> Iterator[bytes]:
     """The tensor's bytes in row order, a bounded number of rows at a time."""
+    if fast and spec.kind is Kind.EXPERTS:
+        yield from _fast_expert_chunks(spec, qtype, rng, quantized)
+        return
     cols = spec.shape[-1]
     rows = int(np.prod(spec.shape[:-1], dtype=np.int64))
     row_bytes = tensor_nbytes((1, cols), qtype)
@@ -149,9 +153,36 @@ def _chunks(spec: TensorSpec, qtype: T, cfg: ModelConfig, rng: np.random.Generat
             yield _engram_rows(rng, n, cfg.engram.head_dim).tobytes()
         elif spec.kind in (Kind.MATRIX, Kind.EXPERTS):
             scale = 1.0 if spec.name == "token_embd.weight" else 1.0 / np.sqrt(cols)
-            yield quantized(rng, qtype, (n, cols), scale).tobytes()
+            if fast and qtype == T.Q8_0:
+                yield _fast_q8_0(rng, (n, cols), scale).tobytes()
+            else:
+                yield quantized(rng, qtype, (n, cols), scale).tobytes()
         else:
             yield _encode(_values(spec, rng, n, cols), qtype).tobytes()
+
+
+FAST_EXPERT_POOL = 8  # --fast: distinct random experts per stack, cycled over the stack
+
+
+def _fast_q8_0(rng: np.random.Generator, shape: tuple[int, int], scale: float) -> np.ndarray:
+    """Q8_0 blocks of uniform random bytes (int8) under one f16 scale, std ~scale: valid weights at write speed
+    (gguf-py's quantizer runs at ~12 M values/s, so a full-size embedding alone would take a minute)."""
+    rows, cols = shape
+    blocks = np.empty((rows, cols // 32, 34), np.uint8)
+    blocks[..., :2] = np.frombuffer(np.float16(scale / 73.9).tobytes(), np.uint8)  # std of U{-128..127} is 73.9
+    n = rows * (cols // 32) * 32
+    blocks[..., 2:] = rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n].reshape(rows, cols // 32, 32)
+    return blocks.reshape(rows, -1)
+
+
+def _fast_expert_chunks(spec: TensorSpec, qtype: T, rng: np.random.Generator, quantized) -> Iterator[bytes]:
+    """An expert stack [E, out, in] as FAST_EXPERT_POOL distinct random experts repeated: speed benchmarks need the
+    bytes and the layout, not E distinct values."""
+    n_exp, out, cols = spec.shape
+    pool = [quantized(rng, qtype, (out, cols), 1.0 / np.sqrt(cols)).tobytes()
+            for _ in range(min(FAST_EXPERT_POOL, n_exp))]
+    for e in range(n_exp):
+        yield pool[e % len(pool)]
 
 
 def _engram_rows(rng: np.random.Generator, n: int, head_dim: int) -> np.ndarray:
@@ -247,11 +278,13 @@ def _tokenizer(cfg: ModelConfig, tokenizer):
 
 
 def write_synthetic(path: str | os.PathLike, cfg: ModelConfig, quant: str = "f32", seed: int = 0,
-                    progress: bool = True, tokenizer="synthetic", name: str | None = None) -> dict:
+                    progress: bool = True, tokenizer="synthetic", name: str | None = None, fast: bool = False) -> dict:
     """Write a complete synthetic model file; returns a summary (bytes, tensors, Q8_0 fallbacks, seconds).
 
     `tokenizer`: "synthetic" (built for the vocab size), "none" (llama.cpp's test-model convention: only
-    vocab_size), or a `tokenizers.Tokenizer` with exactly `cfg.vocab_size` ids.
+    vocab_size), or a `tokenizers.Tokenizer` with exactly `cfg.vocab_size` ids. `fast`: for full-size speed
+    benchmarks, experts cycle through FAST_EXPERT_POOL random experts per stack and Q8_0 matrices are uniform
+    random blocks (same names, shapes, types and layout; writes at disk speed).
     """
     from tqdm import tqdm
 
@@ -278,7 +311,7 @@ def write_synthetic(path: str | os.PathLike, cfg: ModelConfig, quant: str = "f32
     for tname, spec in specs.items():
         rng = np.random.default_rng([seed, zlib.crc32(tname.encode())])
         written = 0
-        for chunk in _chunks(spec, types[tname], cfg, rng, quantized):
+        for chunk in _chunks(spec, types[tname], cfg, rng, quantized, fast):
             fout.write(chunk)
             written += len(chunk)
             bar.update(len(chunk))
@@ -303,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engram-rows", type=int, default=None, help="shrink each Engram table to about R rows")
     ap.add_argument("--tokenizer", default="synthetic", choices=("synthetic", "none"))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--fast", action="store_true",
+                    help="speed-benchmark files: pooled experts and uniform Q8_0 blocks (see write_synthetic)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
@@ -310,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.engram_rows is not None:
         cfg = presets.with_engram_rows(cfg, a.engram_rows)
     info = write_synthetic(a.out, cfg, a.quant, a.seed, progress=not a.quiet, tokenizer=a.tokenizer,
-                           name=f"jds41-synthetic-{a.arch}-{a.size}-{a.quant}")
+                           name=f"jds41-synthetic-{a.arch}-{a.size}-{a.quant}", fast=a.fast)
     print(f"wrote {info['path']}: {info['bytes'] / 2**30:.3f} GiB, {info['tensors']} tensors, "
           f"{len(info['fallback_q8_0'])} Q8_0 fallbacks, {info['seconds']} s")
     return 0
