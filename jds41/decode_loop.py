@@ -48,7 +48,10 @@ def _engram_fn(engine):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=5)
-def _loop(plan: M.ModelPlan, n_max: int, rows_fn, trace: bool, params, state, first, history, n_hist, stop_ids):
+def _loop(plan: M.ModelPlan, n_max: int, rows_fn, trace: bool, params, state, first, history, n_hist, stop_ids,
+          forced=None):
+    """`forced` [n_max] (optional): feed these tokens instead of the argmax (out[i] is still the argmax after
+    feeding token i-1), so a benchmark can run decode steps over a fixed token stream."""
     cfg = plan.cfg
     n_ctx = cfg.engram.max_ngram - 1 if cfg.engram is not None else 0
     L, K = cfg.n_layers, cfg.n_experts_used
@@ -71,14 +74,15 @@ def _loop(plan: M.ModelPlan, n_max: int, rows_fn, trace: bool, params, state, fi
             rows = io_callback(rows_fn, jax.ShapeDtypeStruct(shape, jnp.uint8), tok, hist, n_hist, ordered=False)
         res = M.step(plan, params, st, tok, rows, trace)
         logits, st = res[0], res[1]
-        nxt = jnp.argmax(logits).astype(jnp.int32)  # first maximum, like numpy's argmax in engine.sample
+        pred = jnp.argmax(logits).astype(jnp.int32)  # first maximum, like numpy's argmax in engine.sample
+        nxt = pred if forced is None else forced[count]
         if trace:
             # the trace of the step that fed token `count - 1` (Session.generate records the same steps)
             routing = jax.tree.map(lambda buf, v: buf.at[count - 1].set(v), routing, res[2])
         if n_ctx:
             hist = jnp.concatenate([hist[1:], tok[None]])
             n_hist = jnp.minimum(n_hist + 1, n_ctx)
-        return st, nxt, count + 1, out.at[count].set(nxt), hist, n_hist, routing
+        return st, nxt, count + 1, out.at[count].set(pred), hist, n_hist, routing
 
     carry = (state, first, jnp.int32(1), out, history, n_hist, routing)
     st, _, count, out, _, _, routing = jax.lax.while_loop(cond, body, carry)
@@ -90,22 +94,17 @@ def greedy_generate(session, first_token: int, max_new: int, stop_ids=()) -> lis
     prompt's logits, already chosen by the caller), all in one device loop; the session's state and history advance
     exactly as the reference loop would leave them. Returns every generated token, `first_token` included."""
     eng = session.engine
-    cfg = eng.cfg
     if max_new < 1:
         return []
     stop = [int(s) for s in stop_ids]
     if len(stop) > MAX_STOP_IDS:
         raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop)}")
     stop_arr = jnp.asarray(stop + [-1] * (MAX_STOP_IDS - len(stop)), jnp.int32)
-    n_ctx = cfg.engram.max_ngram - 1 if cfg.engram is not None else 0
-    tail = session.tokens[max(0, len(session.tokens) - n_ctx):] if n_ctx else []
-    hist = np.full((max(n_ctx, 1),), -1, np.int32)
-    if tail:
-        hist[len(hist) - len(tail):] = tail
+    _, hist, n_hist = _history(session)
     rows_fn = _rows_fn(eng) if eng.engram is not None else None
     trace = eng.tiers is not None
     out, count, state, routing = _loop(eng.plan, max_new, rows_fn, trace, eng.params, session.state,
-                                       jnp.int32(first_token), jnp.asarray(hist), jnp.int32(len(tail)), stop_arr)
+                                       jnp.int32(first_token), hist, n_hist, stop_arr)
     produced = [int(t) for t in np.asarray(out[:int(count)])]
     fed = produced[:-1]  # every iteration fed the newest token and produced the next; the last is never fed
     session.state = state
@@ -113,6 +112,41 @@ def greedy_generate(session, first_token: int, max_new: int, stop_ids=()) -> lis
     if trace and fed:
         eng.tiers.record(jax.tree.map(lambda a: np.asarray(a[:len(fed)]), routing))
     return produced
+
+
+def decode_forced(session, tokens) -> np.ndarray:
+    """Feed `tokens` one decode step each in the device loop (not greedy: the next token comes from `tokens`);
+    returns the argmax after each fed token but the last ([len(tokens) - 1]). For benchmarks: the greedy output of
+    random weights can fall into a loop that any cache serves, a fixed stream keeps routing as varied as its
+    tokens. The session advances over every token but the last, exactly as `feed` would."""
+    eng = session.engine
+    tokens = [int(t) for t in tokens]
+    if len(tokens) < 2:
+        raise ValueError("decode_forced needs at least 2 tokens")
+    session._check(tokens[:-1])
+    n_ctx, hist, n_hist = _history(session)
+    rows_fn = _rows_fn(eng) if eng.engram is not None else None
+    trace = eng.tiers is not None
+    stop = jnp.full((MAX_STOP_IDS,), -1, jnp.int32)
+    out, count, state, routing = _loop(eng.plan, len(tokens), rows_fn, trace, eng.params, session.state,
+                                       jnp.int32(tokens[0]), hist, n_hist, stop, jnp.asarray(tokens, jnp.int32))
+    fed = tokens[:int(count) - 1]
+    session.state = state
+    session.tokens += fed
+    if trace and fed:
+        eng.tiers.record(jax.tree.map(lambda a: np.asarray(a[:len(fed)]), routing))
+    return np.asarray(out[1:int(count)])
+
+
+def _history(session):
+    """The Engram n-gram history the loop carries: (n-1, last n-1 fed tokens padded with -1 on the left, count)."""
+    cfg = session.engine.cfg
+    n_ctx = cfg.engram.max_ngram - 1 if cfg.engram is not None else 0
+    tail = session.tokens[max(0, len(session.tokens) - n_ctx):] if n_ctx else []
+    hist = np.full((max(n_ctx, 1),), -1, np.int32)
+    if tail:
+        hist[len(hist) - len(tail):] = tail
+    return n_ctx, jnp.asarray(hist), jnp.int32(len(tail))
 
 
 _ROWS_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

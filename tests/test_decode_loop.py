@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jds41.decode_loop import greedy_generate
+from jds41.decode_loop import decode_forced, greedy_generate
 from jds41.engine import Engine, SamplingParams
 
 PROMPT = [5, 17, 3, 99, 42, 7, 64, 12, 200, 31]
@@ -46,6 +46,21 @@ def test_loop_equals_reference_tokens_and_state(synthetic_model, arch, quant):
     _same_state(s_got, s_ref)
     # the session goes on from where the loop left it exactly as from the reference
     assert s_got.feed([got[-1]]).tolist() == s_ref.feed([ref[-1]]).tolist()
+
+
+@pytest.mark.parametrize("arch,quant", [("deepseek41", "q8"), ("deepseek4", "mxfp4")])
+def test_forced_stream_equals_feeding_the_tokens(synthetic_model, arch, quant):
+    """decode_forced (the benchmarks' fixed token stream) = Session.feed of the same tokens: same argmax after each
+    fed token, same state."""
+    engine = Engine.open(str(synthetic_model(arch, "tiny", quant)), max_ctx=96)
+    stream = [int(t) for t in np.random.default_rng(1).integers(0, engine.vocab_size, 30)]
+    ref = engine.session()
+    ref.feed(PROMPT)
+    want = np.argmax(ref.feed(stream[:-1], all_logits=True), axis=-1)
+    got = engine.session()
+    got.feed(PROMPT)
+    np.testing.assert_array_equal(decode_forced(got, stream), want)
+    _same_state(got, ref)
 
 
 def test_loop_stops_where_the_reference_stops(synthetic_model):
