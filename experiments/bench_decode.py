@@ -1,0 +1,397 @@
+"""Decode and 4K-prompt prefill speed of jds41 on full-size synthetic files, per tier profile, beside the roofline
+(issue #5; DESIGN.md §7, §8). One JSON line per run.
+
+    python experiments/bench_decode.py --arch deepseek41 --layers 6 --quant ds4-q2 \
+        --profiles plain,all-hbm,lucebox,h200 --out results.jsonl
+
+What it does, in order:
+1. Writes `--size full --layers N` (synth `--fast`: real names, shapes, types and layout; experts cycle a pool of
+   random experts, which costs nothing in speed) unless the file exists. V4.1's Engram tables are shrunk to
+   `--engram-rows` rows per layer (the full 384M-row tables need 189 GiB); rows per token are the real count.
+2. Routing skew: random weights route almost uniformly, real models do not. The router's selection bias
+   (`exp_probs_b`, selection only: weights still come from the unbiased scores) is set to -g*ln(1+rank) over a
+   random expert ranking per layer, with g fitted (numpy simulation of sqrt-softplus scores) so the top 10% of
+   experts take `--skew-top10` of the selections: a Zipf-like fit, reported as such with the share measured on
+   the model itself (a trained model's measured skew replaces this once issue #7 lands).
+3. Usage: the all-resident model profiles `--usage-tokens` random tokens (tiers/profile.py's traced prefill) into a
+   usage.json that ranks experts for the profiles' placement.
+4. Per profile: time to ready (Engine.open), prefill of a `--prompt`-token prompt (tok/s), then `--decode` decode
+   steps over a fixed random token stream in the device loop (decode_loop.decode_forced: one compiled while_loop,
+   warmed up first), with tier hit rates and bytes per token for those steps.
+5. Roofline (DESIGN.md §8): bytes per decode token on each resource -- HBM: dense weights (one embedding row),
+   HBM-tier experts, the decode state; PCIe: host-tier and SSD-tier experts (the SSD tier's rows reach the graph
+   through host memory) and Engram rows not in HBM; SSD: slot-cache misses and Engram rows read -- over the box's
+   measured bandwidths; roofline tok/s = 1 / max(time per resource) (perfect overlap), the no-overlap bound beside.
+   `ratio` = measured / roofline.
+
+Profiles: `plain` (no profile: the model's own stacks, the reference path of #3), shipped names (`all-hbm`,
+`lucebox`, `ssd-heavy`), `h200` (the shipped profile's budgets resolved for the FULL model of this architecture and
+applied as fractions, so an N-layer file gets the full model's split), `all-host` (every routed expert in pinned host
+memory, the analogue of llama.cpp's `-ot exps=CPU`), or a JSON path. Timings on the 2-core CPU machines check the
+code path only; they are not speed figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+# Bandwidths of the reference box (DESIGN.md §7): HBM read, pinned-host rows gathered inside jit, O_DIRECT SSD.
+BW = {"hbm": 4.4e12, "pcie": 48e9, "ssd": 1.9e9}
+H200_HBM, H200_HOST = 149_250_113_536, 128 << 30  # bytes, DESIGN.md §7
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def _machine() -> str:
+    import jax
+
+    dev = jax.devices()[0]
+    return f"{platform.node()} {dev.platform}:{getattr(dev, 'device_kind', '')} jax {jax.__version__}"
+
+
+# ---- the file --------------------------------------------------------------------------------------------------
+
+
+def model_config(arch: str, layers: int, engram_rows: int | None):
+    from jds41.checkpoints import presets
+
+    cfg = presets.preset(arch, "full", layers)
+    if cfg.engram is not None and engram_rows:
+        cfg = presets.with_engram_rows(cfg, engram_rows)
+    return cfg
+
+
+def write_file(path: str, cfg, quant: str) -> float:
+    from jds41.checkpoints.synth import write_synthetic
+
+    if os.path.exists(path):
+        return 0.0
+    t0 = time.perf_counter()
+    write_synthetic(path + ".tmp", cfg, quant=quant, tokenizer="none", fast=True, progress=False)
+    os.replace(path + ".tmp", path)
+    return time.perf_counter() - t0
+
+
+def fit_skew(n_experts: int, k: int, top10: float, seed: int = 0) -> float:
+    """g such that selection by sqrt-softplus(z) - g*ln(1+rank), z ~ N(0,1) per token and expert, gives the top
+    10% of experts `top10` of the selections (bisection on a simulation of 4096 tokens)."""
+    rng = np.random.default_rng(seed)
+    z = rng.standard_normal((4096, n_experts))
+    s = np.sqrt(np.logaddexp(0, z))
+    shape = -np.log1p(np.arange(n_experts))
+    top = max(1, n_experts // 10)
+
+    def share(g):
+        sel = np.argpartition(-(s + g * shape), k - 1, axis=1)[:, :k]
+        counts = np.bincount(sel.reshape(-1), minlength=n_experts)
+        return np.sort(counts)[::-1][:top].sum() / counts.sum()
+
+    lo, hi = 0.0, 4.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if share(mid) < top10 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def set_skew(path: str, top10: float, seed: int = 0) -> float:
+    """Write the Zipf-like selection bias into every score-routed layer's exp_probs_b (in place)."""
+    from jds41.checkpoints import open_model
+
+    model = open_model(path)
+    cfg = model.config
+    g = fit_skew(cfg.n_experts, cfg.n_experts_used, top10, seed)
+    rng = np.random.default_rng(seed)
+    for layer in range(cfg.n_layers):
+        if cfg.is_hash_layer(layer):
+            continue
+        info = model.tensors[f"blk.{layer}.exp_probs_b.bias"]
+        dtype = {0: np.float32, 1: np.float16}[int(info.ggml_type)]
+        bias = np.empty(cfg.n_experts, np.float64)
+        bias[rng.permutation(cfg.n_experts)] = -g * np.log1p(np.arange(cfg.n_experts))
+        mm = np.memmap(info.shard, dtype=dtype, mode="r+", offset=info.offset, shape=(cfg.n_experts,))
+        mm[:] = bias.astype(dtype)
+        mm.flush()
+        del mm
+    return g
+
+
+def measure_usage(path: str, usage_path: str, tokens: int, seed: int = 1) -> dict:
+    """Profile random prompts on the all-resident model into usage.json; returns the measured skew."""
+    from jds41.engine import Engine
+    from jds41.tiers.profile import CHUNK, profile_prompts
+    from jds41.tiers.usage import ModelIdentity, UsageCounter
+
+    engine = Engine.open(path, max_ctx=512)
+    cfg = engine.cfg
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, 512 // CHUNK * CHUNK)]
+               for _ in range(max(1, tokens // 512))]
+    e = cfg.engram
+    counter = UsageCounter(ModelIdentity.of(engine.gguf), [i for i in range(cfg.n_layers) if cfg.is_hash_layer(i)],
+                           e.layer_ids if e else (), e.rows if e else ())
+    profile_prompts(engine, prompts, counter)
+    counter.finish(prompts=len(prompts), corpus={"source": "random tokens", "seed": seed}).save(usage_path)
+    counts = counter.counts[[i for i in range(cfg.n_layers) if not cfg.is_hash_layer(i)]]
+    top = max(1, cfg.n_experts // 10)
+    shares = np.sort(counts, axis=1)[:, ::-1][:, :top].sum(1) / np.maximum(counts.sum(1), 1)
+    del engine
+    gc.collect()
+    return {"tokens": int(counter.tokens), "top10_share_per_layer": [round(float(x), 4) for x in shares],
+            "top10_share_mean": round(float(shares.mean()), 4)}
+
+
+# ---- profiles --------------------------------------------------------------------------------------------------
+
+
+def full_model_bytes(arch: str, quant: str) -> dict:
+    """Routed / shared / dense bytes of the FULL model of `arch` in `quant` (computed from the schema and the
+    synthetic writer's type rules; nothing is written)."""
+    from jds41.checkpoints import presets
+    from jds41.checkpoints.schema import Kind, model_tensors
+    from jds41.checkpoints.synth import choose_types, tensor_nbytes
+
+    cfg = presets.preset(arch, "full")
+    types, _ = choose_types(cfg, quant)
+    out = {"routed": 0, "shared": 0, "engram": 0, "dense": 0}
+    for name, spec in model_tensors(cfg).items():
+        n = tensor_nbytes(spec.shape, types[name])
+        key = ("routed" if spec.kind is Kind.EXPERTS else "shared" if "shexp" in name
+               else "engram" if spec.kind is Kind.ROWS else "dense")
+        out[key] += n
+    return out
+
+
+def profile_json(name: str, arch: str, quant: str, workdir: str) -> str | None:
+    """A profile argument for Engine.open: None (plain), a shipped name, or a JSON file written here."""
+    if name == "plain":
+        return None
+    base = {"placement_source": "uniform", "lookahead": 1, "slot_cache_slots": 256, "engram_tables": "ssd",
+            "router_lean": {"enabled": False, "margin": 0.0}}
+    if name == "all-host":
+        doc = {**base, "name": "all-host", "tier0_bytes": 0, "tier1_bytes": "all", "slot_cache_slots": 0,
+               "lookahead": False, "engram_tables": "host",
+               "comment": "every routed expert in pinned host memory: llama.cpp's -ot exps=CPU analogue"}
+    elif name == "h200":
+        b = full_model_bytes(arch, quant)
+        from jds41.tiers.profiles import load_profile
+
+        shipped = load_profile("h200")
+        slots = shipped.slot_cache_slots * (b["routed"] // (presets_layers(arch) * experts_of(arch)))
+        t0 = max(0, H200_HBM - b["dense"] - b["shared"] - slots - 16 * 2**30)
+        t1 = max(0, H200_HOST - 16 * 2**30)
+        f0 = min(1.0, t0 / b["routed"])
+        f1 = min(1.0 - f0, t1 / b["routed"])
+        doc = {**base, "name": "h200-scaled", "tier0_bytes": round(f0, 4), "tier1_bytes": round(f1, 4),
+               "slot_cache_slots": shipped.slot_cache_slots,
+               "comment": f"h200 budgets resolved for the full {arch} {quant} model ({b['routed'] / 2**30:.1f} GiB "
+                          f"routed): {f0:.1%} of expert bytes in HBM, {f1:.1%} in host memory"}
+    else:
+        return name
+    path = os.path.join(workdir, f"profile-{name}-{arch}-{quant}.json")
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    return path
+
+
+def presets_layers(arch: str) -> int:
+    from jds41.checkpoints import presets
+
+    return presets.preset(arch, "full").n_layers
+
+
+def experts_of(arch: str) -> int:
+    from jds41.checkpoints import presets
+
+    return presets.preset(arch, "full").n_experts
+
+
+# ---- one run ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Bytes:
+    hbm: float
+    pcie: float
+    ssd: float
+
+    def roofline(self) -> tuple[float, float]:
+        t = [self.hbm / BW["hbm"], self.pcie / BW["pcie"], self.ssd / BW["ssd"]]
+        return 1.0 / max(t), 1.0 / sum(t)
+
+
+def static_bytes(engine) -> tuple[int, int]:
+    """(dense bytes the GPU reads per token: every non-routed tensor, one embedding row, no Engram table;
+    bytes of one token's Engram rows)."""
+    gguf, cfg = engine.gguf, engine.cfg
+    dense = 0
+    for name, info in gguf.tensors.items():
+        if "_exps." in name or "engram_embd" in name or "tid2eid" in name:
+            continue
+        dense += info.n_bytes // info.shape[0] if name == "token_embd.weight" else info.n_bytes
+    engram = 0
+    if cfg.engram is not None:
+        engram = len(cfg.engram.layer_ids) * cfg.engram.n_buckets * cfg.engram.row_bytes
+    return dense, engram
+
+
+def state_bytes(session) -> int:
+    import jax
+
+    return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(session.state)))
+
+
+def _tier_snapshot(engine) -> dict:
+    t = engine.tiers
+    if t is None:
+        return {}
+    snap = {"lookups": t.lookups.copy(), "bytes": t.bytes.copy(), "tokens": t.tokens}
+    if t.stores.ssd is not None:
+        st = t.stores.ssd.stats
+        snap["slot"] = (st.lookups, st.hits, st.misses, st.bytes, st.stall_s)
+    src = engine.engram[1] if engine.engram is not None else None
+    if src is not None and hasattr(src, "rows_read"):
+        snap["engram_rows_read"] = src.rows_read
+    return snap
+
+
+def run_profile(path: str, name: str, args, usage_path: str, stream: list[int], prompt: list[int]) -> dict:
+    from jds41.decode_loop import decode_forced
+    from jds41.engine import PREFILL_CHUNK, Engine
+
+    prof = profile_json(name, args.arch, args.quant, args.workdir)
+    t0 = time.perf_counter()
+    engine = Engine.open(path, max_ctx=len(prompt) + len(stream) + 64, profile=prof,
+                         usage=usage_path if prof is not None else None)
+    ready_s = time.perf_counter() - t0
+    warm = engine.session()  # compile the prefill chunk and the decode loop for these lengths
+    t0 = time.perf_counter()
+    warm.feed(prompt[:PREFILL_CHUNK])
+    decode_forced(warm, stream)
+    compile_s = time.perf_counter() - t0
+    del warm
+
+    s = engine.session()
+    t0 = time.perf_counter()
+    s.feed(prompt)
+    prefill_s = time.perf_counter() - t0
+    before = _tier_snapshot(engine)
+    t0 = time.perf_counter()
+    preds = decode_forced(s, stream)
+    decode_s = time.perf_counter() - t0
+    after = _tier_snapshot(engine)
+    n = len(stream) - 1
+    dense, engram_row_bytes = static_bytes(engine)
+    cfg = engine.cfg
+    row = {"profile": name, "ready_s": round(ready_s, 2), "compile_s": round(compile_s, 2),
+           "prefill_tokens": len(prompt), "prefill_tok_s": round(len(prompt) / prefill_s, 2),
+           "decode_tokens": n, "decode_tok_s": round(n / decode_s, 2),
+           "decode_ms_per_token": round(1e3 * decode_s / n, 3),
+           "predictions_sha256": hashlib.sha256(np.asarray(preds, np.int32).tobytes()).hexdigest()[:16]}
+    sb = state_bytes(s)
+    if engine.tiers is None:
+        expert = sum(engine.gguf.tensors[f"blk.{i}.ffn_{k}_exps.weight"].n_bytes for i in range(cfg.n_layers)
+                     for k in ("gate", "up", "down")) / cfg.n_experts / cfg.n_layers
+        per_tok = Bytes(dense + sb + cfg.n_layers * cfg.n_experts_used * expert, 0, 0)
+        row["tiers"] = None
+    else:
+        tok = max(after["tokens"] - before["tokens"], 1)
+        tb = (after["bytes"] - before["bytes"]) / tok
+        lk = after["lookups"] - before["lookups"]
+        ssd_miss_bytes = 0.0
+        tiers = {"hbm_share": round(lk[0] / max(lk.sum(), 1), 4), "host_share": round(lk[1] / max(lk.sum(), 1), 4),
+                 "ssd_share": round(lk[2] / max(lk.sum(), 1), 4),
+                 "bytes_per_token": {"hbm": int(tb[0]), "host": int(tb[1]), "ssd_tier": int(tb[2])}}
+        if "slot" in after:
+            d = [a - b for a, b in zip(after["slot"], before["slot"])]
+            tiers["slot_cache"] = {"lookups": d[0], "hit_rate": round(d[1] / max(d[0], 1), 4),
+                                   "misses": d[2], "stall_s": round(d[4], 3)}
+            ssd_miss_bytes = d[3] / tok
+        engram_ssd = 0.0
+        if "engram_rows_read" in after and engine.tiers.profile.engram_tables == "ssd":
+            # each missed row is one O_DIRECT read of at least one 4 KiB block
+            engram_ssd = (after["engram_rows_read"] - before["engram_rows_read"]) * 4096 / tok
+        engram_pcie = engram_row_bytes if engine.tiers.profile.engram_tables != "hbm" else 0
+        per_tok = Bytes(dense + sb + tb[0] + tb[1] + tb[2], tb[1] + tb[2] + engram_pcie, ssd_miss_bytes + engram_ssd)
+        tiers["lookahead"] = engine.tiers.stats()["lookahead"]
+        row["tiers"] = tiers
+    best, worst = per_tok.roofline()
+    row["bytes_per_token"] = {"hbm": int(per_tok.hbm), "pcie": int(per_tok.pcie), "ssd": int(per_tok.ssd)}
+    row["roofline_tok_s"] = round(best, 1)
+    row["roofline_no_overlap_tok_s"] = round(worst, 1)
+    row["ratio"] = round(row["decode_tok_s"] / best, 4)
+    if engine.tiers is not None:
+        engine.tiers.close()
+    del s, engine
+    gc.collect()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default="deepseek41", choices=("deepseek4", "deepseek41"))
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--quant", default="ds4-q2")
+    ap.add_argument("--size", default="full", help="preset size (full on the GPU box; small/tiny to test on CPU)")
+    ap.add_argument("--profiles", default="plain,all-hbm,lucebox,h200")
+    ap.add_argument("--prompt", type=int, default=4096, help="prefill prompt length")
+    ap.add_argument("--decode", type=int, default=128, help="decode steps timed")
+    ap.add_argument("--skew-top10", type=float, default=0.45, help="top-10%% expert share of the Zipf-like fit")
+    ap.add_argument("--usage-tokens", type=int, default=1024)
+    ap.add_argument("--engram-rows", type=int, default=2_000_000)
+    ap.add_argument("--workdir", default="/tmp/jds41-bench")
+    ap.add_argument("--out", default=None, help="append JSON lines here (also printed)")
+    a = ap.parse_args(argv)
+    os.makedirs(a.workdir, exist_ok=True)
+    cfg = model_config(a.arch, a.layers, a.engram_rows) if a.size == "full" else None
+    if cfg is None:
+        from jds41.checkpoints import presets
+
+        cfg = presets.preset(a.arch, a.size, a.layers)
+    path = os.path.join(a.workdir, f"{a.arch}-{a.size}-{a.layers}L-{a.quant}.gguf")
+    write_s = write_file(path, cfg, a.quant)
+    g = set_skew(path, a.skew_top10) if a.skew_top10 > 0 else 0.0
+    usage_path = path + ".usage.json"
+    t0 = time.perf_counter()
+    skew = measure_usage(path, usage_path, a.usage_tokens)
+    usage_s = time.perf_counter() - t0
+    rng = np.random.default_rng(7)
+    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, a.prompt)]
+    stream = [int(t) for t in rng.integers(0, cfg.vocab_size, a.decode + 1)]
+    common = {"bench": "decode", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
+              "arch": a.arch, "size": a.size, "layers": a.layers, "quant": a.quant,
+              "file_gib": round(os.path.getsize(path) / 2**30, 2), "write_s": round(write_s, 1),
+              "routing": {"source": "zipf-fit selection bias" if a.skew_top10 > 0 else "random weights",
+                          "target_top10_share": a.skew_top10, "g": round(g, 4), "measured": skew},
+              "usage_s": round(usage_s, 1), "bandwidths": BW}
+    ref = None
+    for name in a.profiles.split(","):
+        row = {**common, **run_profile(path, name, a, usage_path, stream, prompt)}
+        ref = ref or row["predictions_sha256"]
+        row["same_predictions_as_first"] = row["predictions_sha256"] == ref
+        line = json.dumps(row)
+        print(line, flush=True)
+        if a.out:
+            with open(a.out, "a") as fh:
+                fh.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
