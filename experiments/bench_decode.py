@@ -51,6 +51,14 @@ BW = {"hbm": 4.4e12, "pcie": 48e9, "ssd": 1.9e9}
 H200_HBM, H200_HOST = 149_250_113_536, 128 << 30  # bytes, DESIGN.md §7
 
 
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """Progress on stderr with the time since start: a run cut short by a time limit still says where it was."""
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -280,17 +288,20 @@ def run_profile(path: str, name: str, args, usage_path: str, stream: list[int], 
     engine = Engine.open(path, max_ctx=len(prompt) + len(stream) + 64, profile=prof,
                          usage=usage_path if prof is not None else None)
     ready_s = time.perf_counter() - t0
+    log(f"{name}: ready in {ready_s:.1f} s")
     warm = engine.session()  # compile the prefill chunk and the decode loop for these lengths
     t0 = time.perf_counter()
     warm.feed(prompt[:PREFILL_CHUNK])
     decode_forced(warm, stream)
     compile_s = time.perf_counter() - t0
+    log(f"{name}: warm-up (compiles) {compile_s:.1f} s")
     del warm
 
     s = engine.session()
     t0 = time.perf_counter()
     s.feed(prompt)
     prefill_s = time.perf_counter() - t0
+    log(f"{name}: prefill {len(prompt)} tokens in {prefill_s:.1f} s")
     before = _tier_snapshot(engine)
     t0 = time.perf_counter()
     preds = decode_forced(s, stream)
@@ -365,7 +376,9 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg = presets.preset(a.arch, a.size, a.layers)
     path = os.path.join(a.workdir, f"{a.arch}-{a.size}-{a.layers}L-{a.quant}.gguf")
+    log(f"writing {path}")
     write_s = write_file(path, cfg, a.quant)
+    log(f"written in {write_s:.1f} s; setting the routing skew and measuring usage")
     g = set_skew(path, a.skew_top10) if a.skew_top10 > 0 else 0.0
     usage_path = path + ".usage.json"
     t0 = time.perf_counter()
