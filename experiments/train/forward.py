@@ -250,7 +250,7 @@ def balance_loss(cfg: ModelConfig, idx_BTK, scores_BTE):
     return jnp.mean(jnp.sum(f * jnp.mean(s, axis=1), axis=-1))
 
 
-def ffn(cfg: ModelConfig, layer: int, w, buf, h_BTD, tokens_BT, dtype, block):
+def ffn(cfg: ModelConfig, layer: int, w, buf, h_BTD, tokens_BT, dtype, block, count_mask=None):
     B, T, D = h_BTD.shape
     h = h_BTD.reshape(B * T, D)
     hash_layer = cfg.is_hash_layer(layer)
@@ -260,7 +260,9 @@ def ffn(cfg: ModelConfig, layer: int, w, buf, h_BTD, tokens_BT, dtype, block):
     if cfg.n_shared_experts:
         sh = swiglu(mm(h, w["ffn_gate_shexp"], dtype), mm(h, w["ffn_up_shexp"], dtype), cfg.swiglu_limit_shexp[layer])
         y = y + mm(sh, w["ffn_down_shexp"], dtype)
-    counts = jnp.zeros((cfg.n_experts,), F32).at[idx.reshape(-1)].add(1.0)
+    weight = jnp.ones(idx.shape, F32) if count_mask is None else jnp.broadcast_to(
+        count_mask.reshape(-1, 1).astype(F32), idx.shape)
+    counts = jnp.zeros((cfg.n_experts,), F32).at[idx.reshape(-1)].add(weight.reshape(-1))
     bal = jnp.zeros((), F32) if hash_layer else balance_loss(cfg, idx.reshape(B, T, -1), scores.reshape(B, T, -1))
     return y.reshape(B, T, D), counts, bal
 
@@ -269,10 +271,11 @@ def ffn(cfg: ModelConfig, layer: int, w, buf, h_BTD, tokens_BT, dtype, block):
 
 
 def forward(cfg: ModelConfig, params: dict, buffers: dict, tokens_BT, engram_ids=None, dtype=F32, block: int = 256,
-            remat: bool = False):
+            remat: bool = False, count_mask=None):
     """Logits [B, T, V] f32 and aux {"counts" [n_layers, E], "balance" [n_layers], "indexer" scalar}.
 
-    `engram_ids` int32 [B, T, n_engram_layers, n_buckets] (host hash, each sequence starting fresh).
+    `engram_ids` int32 [B, T, n_engram_layers, n_buckets] (host hash, each sequence starting fresh);
+    `count_mask` [B, T] (optional) weights each position's expert selections in "counts" (0 = padding).
     """
     if not cfg.hc_lag or cfg.shared_kv:
         raise ValueError("the training forward implements deepseek41 in the V4 per-layer layout only")
@@ -301,7 +304,7 @@ def forward(cfg: ModelConfig, params: dict, buffers: dict, tokens_BT, engram_ids
                     out, idx_loss = attention(cfg, layer, w, h, dtype)
                     aux.append(idx_loss)
                 else:
-                    out, cnt, bal = ffn(cfg, layer, w, buf, h, tokens_BT, dtype, block)
+                    out, cnt, bal = ffn(cfg, layer, w, buf, h, tokens_BT, dtype, block, count_mask)
                     aux += [cnt, bal]
                 x = hc_expand(x, out, post, comb)
                 pre_prev = pre

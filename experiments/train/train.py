@@ -158,11 +158,15 @@ def load_checkpoint(path: str, template: dict) -> tuple[dict, int, int]:
 
 def train(cfg, tc: TrainConfig, state: dict, stream: np.ndarray, hasher, *, max_steps: int | None = None,
           deadline: float | None = None, ckpt_dir: str | None = None, ckpt_every: int = 200, log=print,
-          start_step: int = 0, total_steps: int | None = None, plan_after: int = 5) -> tuple[dict, dict]:
+          start_step: int = 0, total_steps: int | None = None, plan_after: int = 5,
+          step_fn=None) -> tuple[dict, dict]:
     """Run steps until `max_steps` or the wall-clock `deadline` (time.time()); returns (state, summary).
 
     Without `total_steps` the schedule length is planned after `plan_after` timed steps from the time left.
+    `step_fn(state, tokens, ids, lr)`: an ahead-of-time compiled `train_step` (default: the jitted one).
     """
+    if step_fn is None:
+        step_fn = functools.partial(train_step, cfg, tc)
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(1)
@@ -182,7 +186,7 @@ def train(cfg, tc: TrainConfig, state: dict, stream: np.ndarray, hasher, *, max_
         nxt = pool.submit(batch_inputs, stream, step + 1, tc, hasher)
         planned = total_steps if total_steps is not None else (max_steps or 10 ** 6)
         t0 = time.time()
-        state, m = train_step(cfg, tc, state, jnp.asarray(tokens), jnp.asarray(ids), lr_at(tc, step, planned))
+        state, m = step_fn(state, jnp.asarray(tokens), jnp.asarray(ids), np.float32(lr_at(tc, step, planned)))
         ce = float(m["ce"])  # blocks: step time includes the device work
         dt = time.time() - t0
         if t_first is None:
