@@ -3,7 +3,8 @@
 Code: every `.py` file under the interpreter's standard library and its site-packages (sysconfig paths),
 walked in sorted order, skipping `__pycache__`, files over `max_file_bytes`, files that are not UTF-8, and
 generated-looking files (a line over 1000 characters, or a mean line over 120); deduplicated by content hash
-(first path in sorted order wins). Each file belongs to a package: the top-level directory under site-packages,
+(the first file in walk order wins: a directory's files, sorted, before its sorted subdirectories).
+Each file belongs to a package: the top-level directory under site-packages,
 or `stdlib/<top module>`.
 
 Held out (never trained on): whole packages (`HELD_OUT_PACKAGES`, those present) and every other file whose
@@ -61,9 +62,9 @@ def path_held_out(rel: str) -> bool:
     return int(hashlib.sha1(rel.encode()).hexdigest()[:8], 16) % 100 == 0
 
 
-def collect_code(max_file_bytes: int = 300_000, held_out_packages=HELD_OUT_PACKAGES) -> dict:
-    """{"train": [(package, rel, text)], "heldout": [...], "stats": {...}}."""
-    rs = roots()
+def collect_code(max_file_bytes: int = 300_000, held_out_packages=HELD_OUT_PACKAGES, roots_=None) -> dict:
+    """{"train": [(package, rel, text)], "heldout": [...], "stats": {...}}; `roots_` overrides `roots()`."""
+    rs = roots() if roots_ is None else roots_
     site_dirs = {r for k, r in rs if k == "site"}
     seen: set[str] = set()
     train, heldout = [], []
@@ -121,10 +122,10 @@ def _english(text: str) -> bool:
     return ascii_share > 0.97 and letters > 0.75 and not licensey
 
 
-def collect_prose(max_doc_chars: int = 40_000) -> list[tuple[str, str]]:
-    """[(source, text)] English prose documents, sorted by source."""
+def collect_prose(max_doc_chars: int = 40_000, roots_=None) -> list[tuple[str, str]]:
+    """[(source, text)] English prose documents, sorted by source; `roots_` overrides `roots()`."""
     out, seen = [], set()
-    for kind, root in roots():
+    for kind, root in roots() if roots_ is None else roots_:
         if kind != "site":
             continue
         for path in _walk(root, set()):

@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     log = json_log(os.path.join(a.out, "train_log.jsonl"))
     tc = _train_config(a)
     name = a.name or f"code-deepseek41-{a.size}"
-    reserve = a.reserve_s if a.reserve_s is not None else (150.0 if a.size == "small" else 60.0)
+    reserve = a.reserve_s if a.reserve_s is not None else (120.0 if a.size == "small" else 60.0)
     import jax
 
     log({"event": "start", "devices": [str(d) for d in jax.devices()], "budget_s": a.time_budget_s,
@@ -113,6 +113,11 @@ def main(argv=None) -> int:
                      max_bucket_start=20000 if a.size == "small" else 64, min_bucket_start=8 if a.size == "tiny"
                      else 500)
     plan = export.plan_bytes(cfg, a.experts)
+    from experiments.train.train import flops_per_token
+
+    fpt = flops_per_token(cfg, tc.seq_len)
+    log({"event": "flops", "forward_flops_per_token": fpt, "train_flops_per_token": (4 if tc.remat else 3) * fpt,
+         "tokens_per_s_at_30pct_of_790_tflops": round(0.3 * 790e12 / ((4 if tc.remat else 3) * fpt))})
     log({"event": "config", "vocab": vocab, "engram_classes": n_classes, "engram_rows": list(cfg.engram.rows),
          "expert_ff": cfg.expert_ff, "planned_bytes": plan, "elapsed_s": round(time.time() - t_start, 1)})
 

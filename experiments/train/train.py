@@ -51,6 +51,30 @@ class TrainConfig:
     seed: int = 0
 
 
+def flops_per_token(cfg, seq_len: int) -> float:
+    """Forward FLOPs per token (2 per multiply-add): every matrix a token passes through (K routed experts, the
+    shared one, Engram W_kv, head) plus attention over its window and the compressed rows it reads."""
+    D, H, HD = cfg.dim, cfg.n_heads, cfg.head_dim
+    attn = D * cfg.q_lora_rank + cfg.q_lora_rank * H * HD + D * HD + H * HD * cfg.o_lora_rank + \
+        cfg.o_groups * cfg.o_lora_rank * D
+    macs = cfg.vocab_size * D
+    for layer in range(cfg.n_layers):
+        r = cfg.ratio(layer)
+        macs += attn + 2 * cfg.hc_mix * cfg.hc_mult * D + cfg.n_experts * D
+        macs += (cfg.n_experts_used + cfg.n_shared_experts) * 3 * D * cfg.expert_ff
+        keys = cfg.window
+        if r:
+            macs += 2 * D * HD * (2 if cfg.compressor_overlap(layer) else 1)
+            keys += min(seq_len // r, cfg.index_topk) if cfg.has_indexer(layer) else seq_len // r // 2
+        if cfg.has_indexer(layer):
+            macs += cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim + 4 * D * cfg.index_head_dim + \
+                seq_len // 8 * cfg.index_n_heads * cfg.index_head_dim
+        macs += 2 * H * HD * keys
+        if cfg.is_engram_layer(layer):
+            macs += (cfg.hc_mult + 1) * D * cfg.engram.embed_dim
+    return 2.0 * macs
+
+
 def lr_at(tc: TrainConfig, step: int, total: int) -> float:
     if step < tc.warmup:
         return tc.peak_lr * (step + 1) / tc.warmup
@@ -110,7 +134,7 @@ def train_step(cfg, tc: TrainConfig, state: dict, tokens, ids, lr):
     params = optax.apply_updates(state["params"], updates)
     buffers = bias_update(cfg, state["buffers"], m["counts"], tc.bias_gamma)
     metrics = {"ce": m["ce"], "indexer": m["indexer"], "balance": m["balance"], "counts": m["counts"],
-               "grad_norm": optax.global_norm(grads)}
+               "grad_norm": jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))}
     return {"params": params, "buffers": buffers, "opt": opt_state}, metrics
 
 
