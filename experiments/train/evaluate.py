@@ -83,11 +83,13 @@ class ForwardRunner:
 
         self.cfg, self.batch, self.T = cfg, batch, T
 
-        def run(params, buffers, tokens, ids, mask):
+        def run(params, buffers, tokens, ids, mask, targets):
             with jax.default_matmul_precision("highest"):
                 logits, aux = forward(cfg, params, buffers, tokens, ids, dtype=jnp.float32, block=64,
                                       count_mask=mask)
-            return logits, aux["counts"]
+                logp = jax.nn.log_softmax(logits, axis=-1)
+            nll = -jnp.sum(jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0] * mask)
+            return nll, aux["counts"], jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
         self._jit = jax.jit(run)
         self._compiled = None
@@ -101,15 +103,16 @@ class ForwardRunner:
         e = self.cfg.engram
         n_eng = len(e.layer_ids) if e else 1
         nb = e.n_buckets if e else 1
+        shape = (self.batch, self.T)
         self._compiled = self._jit.lower(
-            jax.tree.map(sds, params), jax.tree.map(sds, buffers),
-            jax.ShapeDtypeStruct((self.batch, self.T), jnp.int32),
-            jax.ShapeDtypeStruct((self.batch, self.T, n_eng, nb), jnp.int32),
-            jax.ShapeDtypeStruct((self.batch, self.T), jnp.float32)).compile()
+            jax.tree.map(sds, params), jax.tree.map(sds, buffers), jax.ShapeDtypeStruct(shape, jnp.int32),
+            jax.ShapeDtypeStruct((*shape, n_eng, nb), jnp.int32), jax.ShapeDtypeStruct(shape, jnp.float32),
+            jax.ShapeDtypeStruct(shape, jnp.int32)).compile()
 
-    def __call__(self, params, buffers, tokens, ids, mask):
+    def __call__(self, params, buffers, tokens, ids, mask, targets):
+        """(summed NLL of the masked targets, expert counts [n_layers, E] of masked positions, argmax [B, T])."""
         fn = self._compiled or self._jit
-        return fn(params, buffers, tokens, ids, mask)
+        return fn(params, buffers, tokens, ids, mask, targets)
 
 
 def forward_eval(runner: ForwardRunner, params, buffers, hasher, tokenizer, docs: list[dict]) -> dict:
@@ -136,10 +139,9 @@ def forward_eval(runner: ForwardRunner, params, buffers, hasher, tokenizer, docs
             mask = np.zeros((B, T), np.float32)
             for j, (inp, t) in enumerate(pairs[i:i + B]):
                 tok[j, :len(inp)], tgt[j, :len(t)], mask[j, :len(t)] = inp, t, 1.0
-            logits, c = runner(params, buffers, jnp.asarray(tok), jnp.asarray(engram_ids_batch(hasher, tok)),
-                               jnp.asarray(mask))
-            logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-            nll -= float(np.sum(np.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0] * mask, dtype=np.float64))
+            batch_nll, c, _ = runner(params, buffers, jnp.asarray(tok), jnp.asarray(engram_ids_batch(hasher, tok)),
+                                     jnp.asarray(mask), jnp.asarray(tgt))
+            nll += float(batch_nll)
             n_tok += int(mask.sum())
             counts = np.asarray(c) if counts is None else counts + np.asarray(c)
         out[kind] = {**bpb_summary(nll, n_tok, n_bytes), "docs": sum(d["kind"] == kind for d in docs),
@@ -185,12 +187,13 @@ def forward_greedy(runner: ForwardRunner, params, buffers, hasher, prompts: list
         tok = np.zeros((B, T), np.int32)
         for j, r in enumerate(rows):
             tok[j, :min(len(r), T)] = r[:T]
-        logits, _ = runner(params, buffers, jnp.asarray(tok), jnp.asarray(engram_ids_batch(hasher, tok)),
-                           jnp.zeros((B, T), jnp.float32))
-        logits = np.asarray(logits)
+        zeros = jnp.zeros((B, T), jnp.int32)
+        _, _, best = runner(params, buffers, jnp.asarray(tok), jnp.asarray(engram_ids_batch(hasher, tok)),
+                            zeros.astype(jnp.float32), zeros)
+        best = np.asarray(best)
         for j, r in enumerate(rows):
             if len(r) < T:
-                nxt = int(np.argmax(logits[j, len(r) - 1]))
+                nxt = int(best[j, len(r) - 1])
                 r.append(nxt)
                 out[j].append(nxt)
     return out

@@ -56,13 +56,15 @@ def parse(argv=None):
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--max-steps", type=int, default=None)
-    ap.add_argument("--tokenizer-sample-mb", type=float, default=30.0)
-    ap.add_argument("--max-train-mb", type=float, default=0.0, help="cap on tokenized training text (0 = all)")
+    ap.add_argument("--tokenizer-sample-mb", type=float, default=20.0)
+    ap.add_argument("--max-train-mb", type=float, default=120.0, help="cap on tokenized training text (0 = all)")
     ap.add_argument("--eval-code-kb", type=int, default=1500)
     ap.add_argument("--eval-prose-kb", type=int, default=600)
     ap.add_argument("--cpu-subset-bytes", type=int, default=6000, help="per kind, the CPU reproduction's subset")
     ap.add_argument("--completions", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--ckpt-every", type=int, default=0, help="checkpoint to WORK/ckpt.npz every N steps and at the "
+                    "end (0 = never: the GPU box is wiped after each call, so the one-shot run skips the writes)")
     ap.add_argument("--resume", action="store_true", help="continue from WORK/ckpt.npz if present (same lease)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
          "heldout_xz_bytes": os.path.getsize(heldout_path), "elapsed_s": round(time.time() - t_start, 1)})
 
     # 2. tokenizer and config
-    train_texts = [t for _, _, t in code["train"]]
+    # hash order of the path: the --max-train-mb cap then takes a spread over packages, not the first ones
+    train_texts = [t for _, _, t in sorted(code["train"], key=lambda x: hashlib.sha1(x[1].encode()).hexdigest())]
     vocab = a.vocab or (8192 if a.size == "small" else 512)
     tok = tokenizer.train_tokenizer(train_texts, vocab, int(a.tokenizer_sample_mb * 1e6))
     from jds41.engram_hash import tokenizer_token_map
@@ -177,9 +180,11 @@ def main(argv=None) -> int:
     eval_compile = threading.Thread(target=runner.compile, args=(params, buffers))
     eval_compile.start()  # CPU work, overlaps the GPU's training
     state, summary = train(cfg, tc, state, stream, hasher, max_steps=a.max_steps, deadline=deadline - reserve,
-                           ckpt_dir=a.work, log=log, start_step=start_step, total_steps=total_steps,
-                           step_fn=compiled["step"])
-    save_checkpoint(ckpt, state, summary["steps"], summary["total_steps"] or 0)
+                           ckpt_dir=a.work if a.ckpt_every else None, ckpt_every=a.ckpt_every or 1, log=log,
+                           start_step=start_step, total_steps=total_steps, step_fn=compiled["step"],
+                           plan_after=20 if a.size == "small" else 5)
+    if a.ckpt_every:
+        save_checkpoint(ckpt, state, summary["steps"], summary["total_steps"] or 0)
     log({"event": "trained", **{k: v for k, v in summary.items() if k not in ("losses", "expert_counts")},
          "final_ce_mean_last20": float(np.mean(summary["losses"][-20:])), "elapsed_s": round(time.time() - t_start, 1)})
 
