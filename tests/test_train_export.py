@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from experiments.train.export import plan_bytes, quantized_tensors, write_gguf
+from experiments.train.export import plan_bytes, quantized_tensors, split_limit, storage_types, write_gguf
 from experiments.train.forward import engram_ids_batch, forward
 from experiments.train.model_config import build_config, fit_engram
 from experiments.train.params import init_params
 from experiments.train.tokenizer import train_tokenizer
 from jds41.checkpoints import open_model, synth_tokenizer
 from jds41.checkpoints.reader import SHARD_NAME
+from jds41.checkpoints.schema import model_tensors
+from jds41.checkpoints.synth import tensor_nbytes
 from jds41.engine import Engine
 from jds41.engram_hash import tokenizer_token_map
 from jds41.layers.engram_rows import EngramHasher
@@ -109,3 +111,21 @@ def test_fit_engram_fills_the_budget_and_refuses_what_cannot_fit():
     assert plan_bytes(bigger)["total"] > 54 * 2**20  # the next larger tables would not fit
     with pytest.raises(ValueError, match="budget"):
         fit_engram("small", 8192, 6000, 40 * 2**20)  # I = 96 experts alone are 38 MiB
+
+
+def test_split_limit_gives_the_fewest_even_shards_under_the_cap():
+    cfg = fit_engram("small", 8192, 6000, 54 * 2**20, expert_ff=64)
+    types = storage_types(cfg)
+    sizes = [tensor_nbytes(s.shape, types[n]) for n, s in model_tensors(cfg).items()]
+    cap = int(14.5 * 2**20)
+
+    def shards(limit):  # gguf-py's rule: a new shard when the next tensor would pass the limit
+        out = [0]
+        for x in sizes:
+            if out[-1] and out[-1] + x > limit:
+                out.append(0)
+            out[-1] += x
+        return out
+
+    got = shards(split_limit(cfg, types, cap))
+    assert len(got) == -(-sum(sizes) // cap) == 4 and max(got) <= cap

@@ -129,6 +129,26 @@ def quantized_tensors(cfg: ModelConfig, params: dict, buffers: dict, experts: st
     return stored, types, dec_p, dec_b
 
 
+def split_limit(cfg: ModelConfig, types: dict[str, T], cap_bytes: int) -> int:
+    """The per-shard tensor-byte limit that gives gguf-py's greedy splitter (a new shard when the next tensor would
+    pass the limit) the fewest shards with none over `cap_bytes`; tensors are packed in schema order."""
+    sizes = [tensor_nbytes(spec.shape, types[name]) for name, spec in model_tensors(cfg).items()]
+
+    def n_shards(limit: int) -> int:
+        count, used = 1, 0
+        for x in sizes:
+            if used and used + x > limit:
+                count, used = count + 1, 0
+            used += x
+        return count
+
+    best = n_shards(cap_bytes)
+    limit = max(max(sizes), -(-sum(sizes) // best))
+    while n_shards(limit) > best:  # the smallest limit that still reaches the fewest shards: even shards
+        limit += 1 << 16
+    return min(limit, cap_bytes)
+
+
 def _add(w: gguf.GGUFWriter, key: str, value, typ: str) -> None:
     if typ.endswith("[]"):
         if len(value):

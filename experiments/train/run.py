@@ -51,7 +51,8 @@ def parse(argv=None):
     ap.add_argument("--expert-ff", type=int, default=None, help="expert width I (default 64 small, preset tiny)")
     ap.add_argument("--experts", default="mxfp4", choices=("mxfp4", "q8"))
     ap.add_argument("--max-tensor-mib", type=float, default=54.0, help="tensor bytes budget of the GGUF")
-    ap.add_argument("--shard-mib", type=float, default=14.0, help="tensor bytes per shard (0 = one file)")
+    ap.add_argument("--shard-mib", type=float, default=14.5, help="max tensor bytes per shard (0 = one file); the "
+                    "fewest shards under it are written, balanced")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
@@ -215,7 +216,8 @@ def main(argv=None) -> int:
              "jds41.train.steps": (summary["steps"], "u32"),
              "jds41.train.tokens_seen": (summary["tokens_seen"], "u64")}
     paths = export.write_gguf(os.path.join(a.out, f"{name}.gguf"), cfg, stored, types, tok, token_map, extra,
-                              split_max_bytes=int(a.shard_mib * 2**20))
+                              split_max_bytes=export.split_limit(cfg, types, int(a.shard_mib * 2**20))
+                              if a.shard_mib else 0)
     files = {os.path.basename(p): {"bytes": os.path.getsize(p), "sha256": _sha256(p)} for p in paths + [heldout_path]}
     first = os.path.basename(paths[0])
     manifest = {
