@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.train.mixed import dot
 from experiments.train.moe_dispatch import routed_experts_dispatch
 from jds41.config import ModelConfig
 from jds41.layers.moe import swiglu
@@ -48,7 +49,7 @@ F32 = jnp.float32
 
 def mm(x, w, dtype):
     """x [..., in] @ w[out, in].T with inputs in `dtype`, f32 accumulation."""
-    return jnp.einsum("...i,oi->...o", x.astype(dtype), w.astype(dtype), preferred_element_type=F32)
+    return dot("...i,oi->...o", x, w, dtype)
 
 
 # ---- mHC (same math as jds41.layers.mhc, for any leading axes, without the decode fusion islands) ----------------
@@ -132,7 +133,7 @@ def index_scores(w, qr_BTQ, h_BTD, keys_BRK, freqs, n_heads, head_dim, dtype):
     q = mm(qr_BTQ, w["indexer.attn_q_b"], dtype).reshape(B, T, n_heads, head_dim)
     q = apply_rope(q, jnp.arange(T)[None, :], freqs)
     weights = mm(h_BTD, w["indexer.proj"], dtype) * (head_dim * n_heads) ** -0.5
-    dots = jnp.einsum("bthk,brk->bthr", q.astype(dtype), keys_BRK.astype(dtype), preferred_element_type=F32)
+    dots = dot("bthk,brk->bthr", q, keys_BRK, dtype)
     return jnp.einsum("bth,bthr->btr", weights, jax.nn.relu(dots))
 
 
@@ -173,7 +174,7 @@ def attention(cfg: ModelConfig, layer: int, w, h_BTD, dtype, rows=None):
     kpos = qpos[:, :1] - W + jnp.arange(2 * W)[None, :]
     win_ok = (qpos[:, :, None] - kpos[:, None, :] < W) & (qpos[:, :, None] >= kpos[:, None, :]) & (kpos[:, None] >= 0)
     scale = HD ** -0.5
-    s_win = jnp.einsum("bnqhk,bnjk->bnhqj", qc.astype(dtype), k2.astype(dtype), preferred_element_type=F32) * scale
+    s_win = dot("bnqhk,bnjk->bnhqj", qc, k2, dtype) * scale
     s_win = jnp.where(win_ok[None, :, None], s_win, -jnp.inf)
     logits, values = [s_win], None
     idx_loss = jnp.zeros((), F32)
@@ -182,7 +183,7 @@ def attention(cfg: ModelConfig, layer: int, w, h_BTD, dtype, rows=None):
         cr = compress(w, "attn_compressor", h_BTD, r, HD, cfg.compressor_overlap(layer), freqs, cfg.rms_eps, dtype)
         n_rows = cr.shape[1]
         vis = visible(T, n_rows, r)  # [T, R]
-        s_cmp = jnp.einsum("bthk,brk->bhtr", q.astype(dtype), cr.astype(dtype), preferred_element_type=F32) * scale
+        s_cmp = dot("bthk,brk->bhtr", q, cr, dtype) * scale
         allowed = jnp.broadcast_to(vis, (B, T, n_rows))
         if cfg.has_indexer(layer):
             keys = compress(w, "indexer_compressor", jax.lax.stop_gradient(h_BTD), 4, cfg.index_head_dim, True,
@@ -199,15 +200,14 @@ def attention(cfg: ModelConfig, layer: int, w, h_BTD, dtype, rows=None):
     top = jnp.maximum(jnp.max(all_logits, axis=-1), sink)
     e = jnp.exp(all_logits - top[..., None])
     p = e / (jnp.sum(e, axis=-1) + jnp.exp(sink - top))[..., None]
-    o = jnp.einsum("bnhqj,bnjk->bnqhk", p[..., :2 * W].astype(dtype), k2.astype(dtype), preferred_element_type=F32)
+    o = dot("bnhqj,bnjk->bnqhk", p[..., :2 * W], k2, dtype)
     if values is not None:
-        o = o + jnp.einsum("bnhqr,brk->bnqhk", p[..., 2 * W:].astype(dtype), values.astype(dtype),
-                           preferred_element_type=F32)
+        o = o + dot("bnhqr,brk->bnqhk", p[..., 2 * W:], values, dtype)
     o = apply_rope(o.reshape(B, T, H, HD), pos, freqs, inverse=True)
     G, L = cfg.o_groups, cfg.o_lora_rank
     o_G = o.reshape(B, T, G, H * HD // G)
     wo_a = w["attn_output_a"].reshape(G, L, -1)
-    o_GL = jnp.einsum("btgx,glx->btgl", o_G.astype(dtype), wo_a.astype(dtype), preferred_element_type=F32)
+    o_GL = dot("btgx,glx->btgl", o_G, wo_a, dtype)
     return mm(o_GL.reshape(B, T, G * L), w["attn_output_b"], dtype), idx_loss
 
 

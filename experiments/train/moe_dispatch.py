@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from experiments.train.mixed import dot
 from jds41.layers.moe import swiglu
 
 F32 = jnp.float32
@@ -51,9 +52,9 @@ def routed_experts_dispatch(x_ND, idx_NK, w_NK, gate_EFD, up_EFD, down_EDF, limi
     nb = rows // block
     xbuf = jnp.zeros((rows, D), dtype).at[dest].set(x_ND.astype(dtype)[tok])
     xb = xbuf.reshape(nb, block, D)
-    g = jnp.einsum("jbd,jfd->jbf", xb, gate_EFD.astype(dtype)[block_expert], preferred_element_type=F32)
-    u = jnp.einsum("jbd,jfd->jbf", xb, up_EFD.astype(dtype)[block_expert], preferred_element_type=F32)
+    g = dot("jbd,jfd->jbf", xb, gate_EFD.astype(dtype)[block_expert], dtype)
+    u = dot("jbd,jfd->jbf", xb, up_EFD.astype(dtype)[block_expert], dtype)
     wbuf = jnp.zeros((rows,), F32).at[dest].set(w_NK.reshape(-1)[order]).reshape(nb, block, 1)
     h = swiglu(g, u, limit) * wbuf
-    y = jnp.einsum("jbf,jdf->jbd", h.astype(dtype), down_EDF.astype(dtype)[block_expert], preferred_element_type=F32)
+    y = dot("jbf,jdf->jbd", h, down_EDF.astype(dtype)[block_expert], dtype)
     return jnp.zeros((N, D), F32).at[tok].add(y.reshape(rows, D)[dest])
