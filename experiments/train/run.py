@@ -179,11 +179,16 @@ def main(argv=None) -> int:
         log({"event": "resumed", "step": start_step, "total_steps": total_steps})
     runner = evaluate.ForwardRunner(cfg, 16 if a.size == "small" else 4, tc.seq_len)
     eval_compile = threading.Thread(target=runner.compile, args=(params, buffers))
-    eval_compile.start()  # CPU work, overlaps the GPU's training
+    # CPU work that overlaps the GPU's training, started once the step count is planned (or now, when a resumed
+    # run's schedule is already fixed)
+    if total_steps is not None:
+        eval_compile.start()
     state, summary = train(cfg, tc, state, stream, hasher, max_steps=a.max_steps, deadline=deadline - reserve,
                            ckpt_dir=a.work if a.ckpt_every else None, ckpt_every=a.ckpt_every or 1, log=log,
                            start_step=start_step, total_steps=total_steps, step_fn=compiled["step"],
-                           plan_after=20 if a.size == "small" else 5)
+                           plan_after=20 if a.size == "small" else 5, on_plan=eval_compile.start)
+    if not eval_compile.is_alive() and eval_compile.ident is None:
+        eval_compile.start()  # training ended before the plan (a step cap or a short budget)
     if a.ckpt_every:
         save_checkpoint(ckpt, state, summary["steps"], summary["total_steps"] or 0)
     log({"event": "trained", **{k: v for k, v in summary.items() if k not in ("losses", "expert_counts")},
@@ -194,30 +199,18 @@ def main(argv=None) -> int:
     trained_b = jax.tree.map(np.asarray, state["buffers"])
     del state
     stored, types, dec_p, dec_b = export.quantized_tensors(cfg, trained_p, trained_b, a.experts)
-    tok_fields = {k: v for k, v, _ in __import__("jds41.checkpoints.synth_tokenizer",
-                                                  fromlist=["gguf_fields"]).gguf_fields(tok)}
+    from jds41.checkpoints.synth_tokenizer import gguf_fields
     from jds41.tokenizer import Tokenizer
 
-    jtok = Tokenizer.from_metadata(tok_fields)
-    eval_compile.join()
-    log({"event": "quantized", "elapsed_s": round(time.time() - t_start, 1)})
-    results = evaluate.forward_eval(runner, dec_p, dec_b, hasher, jtok, docs)
-    cpu_docs = data.subset(docs, a.cpu_subset_bytes)
-    results_subset = evaluate.forward_eval(runner, dec_p, dec_b, hasher, jtok, cpu_docs)
-    log({"event": "evaluated", **{k: {kk: vv for kk, vv in v.items() if kk != "expert_counts"}
-                                  for k, v in results.items()}, "elapsed_s": round(time.time() - t_start, 1)})
-    prompts = evaluate.function_prompts(docs, a.completions)
-    outs = evaluate.forward_greedy(runner, dec_p, dec_b, hasher, [evaluate.doc_ids(jtok, p["prompt"])
-                                                                  for p in prompts], a.new_tokens)
-    completions = [{**p, "completion": jtok.decode(o)} for p, o in zip(prompts, outs, strict=True)]
-    log({"event": "completions", "completions": completions, "elapsed_s": round(time.time() - t_start, 1)})
-
+    jtok = Tokenizer.from_metadata({k: v for k, v, _ in gguf_fields(tok)})
+    # the file first: whatever happens later in the budget, the trained model is in OUT
     extra = {"general.name": (name, "str"), "jds41.train.seq_len": (tc.seq_len, "u32"),
              "jds41.train.steps": (summary["steps"], "u32"),
              "jds41.train.tokens_seen": (summary["tokens_seen"], "u64")}
     paths = export.write_gguf(os.path.join(a.out, f"{name}.gguf"), cfg, stored, types, tok, token_map, extra,
                               split_max_bytes=export.split_limit(cfg, types, int(a.shard_mib * 2**20))
                               if a.shard_mib else 0)
+    del stored
     files = {os.path.basename(p): {"bytes": os.path.getsize(p), "sha256": _sha256(p)} for p in paths + [heldout_path]}
     first = os.path.basename(paths[0])
     manifest = {
@@ -227,7 +220,7 @@ def main(argv=None) -> int:
                                                      "compress_ratios": list(cfg.compress_ratios),
                                                      "window": cfg.window, "hash_layers": cfg.n_hash_layers},
         "storage": {"experts": a.experts.upper(), "planned_tensor_bytes": plan},
-        "data": {**{k: v for k, v in code["stats"].items()}, "prose_docs_found": len(prose),
+        "data": {**code["stats"], "prose_docs_found": len(prose),
                  "held_out_packages_configured": list(data.HELD_OUT_PACKAGES), "held_out_file_rule":
                  "sha1('kind/relpath')[:8] mod 100 == 0", "train_tokens": int(len(stream)),
                  "train_bytes": train_bytes, "tokenizer_sample_mb": a.tokenizer_sample_mb},
@@ -238,21 +231,49 @@ def main(argv=None) -> int:
                                 f"(alpha {tc.balance_alpha:g})",
                      "resume": "checkpoint/resume works within one machine lease (WORK/ckpt.npz); the box is wiped "
                                "between leases, so every shipped run trains from scratch in one call"},
-        "heldout": {"file": os.path.basename(heldout_path), "gpu_eval_full": {k: {kk: vv for kk, vv in v.items()
-                                                                                    if kk != "expert_counts"}
-                                                                                for k, v in results.items()},
-                    "gpu_eval_cpu_subset": {k: {kk: vv for kk, vv in v.items() if kk not in ("expert_counts",
-                                                                                             "expert_skew_top10pct")}
-                                            for k, v in results_subset.items()},
-                    "cpu_subset_max_bytes": a.cpu_subset_bytes,
+        "heldout": {"file": os.path.basename(heldout_path), "cpu_subset_max_bytes": a.cpu_subset_bytes,
                     "cpu_reproduce": f"python -m experiments.train.evaluate checkpoints/{first} "
                                      f"checkpoints/{os.path.basename(heldout_path)} --max-bytes {a.cpu_subset_bytes}"},
-        "expert_skew_top10pct": {k: v["expert_skew_top10pct"] for k, v in results.items()},
-        "completions": completions,
-        "files": files, "elapsed_s": round(time.time() - t_start, 1),
+        "files": files,
     }
-    with open(os.path.join(a.out, f"{name}-manifest.json"), "w") as f:
-        json.dump(manifest, f, indent=1)
+    manifest_path = os.path.join(a.out, f"{name}-manifest.json")
+
+    def write_manifest(stage: str) -> None:
+        manifest.update(stage=stage, elapsed_s=round(time.time() - t_start, 1))
+        with open(manifest_path, "w") as f:
+            json.dump(manifest, f, indent=1)
+
+    write_manifest("exported")
+    log({"event": "exported", "files": files, "elapsed_s": round(time.time() - t_start, 1)})
+
+    def brief(res: dict, drop=("expert_counts",)) -> dict:
+        return {k: {kk: vv for kk, vv in v.items() if kk not in drop} for k, v in res.items()}
+
+    eval_compile.join()
+    t_eval = time.time()
+    cpu_docs = data.subset(docs, a.cpu_subset_bytes)
+    results_subset = evaluate.forward_eval(runner, dec_p, dec_b, hasher, jtok, cpu_docs)
+    manifest["heldout"]["gpu_eval_cpu_subset"] = brief(results_subset, ("expert_counts", "expert_skew_top10pct"))
+    write_manifest("evaluated-subset")
+    # the full set only if it fits what is left (estimated from the subset's time per byte)
+    per_byte = (time.time() - t_eval) / max(1, sum(len(d["text"]) for d in cpu_docs))
+    if time.time() + 1.5 * per_byte * sum(len(d["text"]) for d in docs) < deadline - 15:
+        results = evaluate.forward_eval(runner, dec_p, dec_b, hasher, jtok, docs)
+        manifest["heldout"]["gpu_eval_full"] = brief(results)
+    else:
+        results = results_subset
+        manifest["heldout"]["gpu_eval_full"] = "skipped: not enough time left in the budget"
+    manifest["expert_skew_top10pct"] = {k: v["expert_skew_top10pct"] for k, v in results.items()}
+    write_manifest("evaluated")
+    log({"event": "evaluated", **brief(results), "elapsed_s": round(time.time() - t_start, 1)})
+    if time.time() < deadline - 10:
+        prompts = evaluate.function_prompts(docs, a.completions)
+        outs = evaluate.forward_greedy(runner, dec_p, dec_b, hasher, [evaluate.doc_ids(jtok, p["prompt"])
+                                                                      for p in prompts], a.new_tokens)
+        manifest["completions"] = [{**p, "completion": jtok.decode(o)} for p, o in zip(prompts, outs, strict=True)]
+        write_manifest("done")
+        log({"event": "completions", "completions": manifest["completions"],
+             "elapsed_s": round(time.time() - t_start, 1)})
     total = sum(os.path.getsize(os.path.join(a.out, p)) for p in os.listdir(a.out))
     log({"event": "done", "files": files, "out_bytes": total, "elapsed_s": round(time.time() - t_start, 1)})
     return 0

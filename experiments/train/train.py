@@ -183,11 +183,13 @@ def load_checkpoint(path: str, template: dict) -> tuple[dict, int, int]:
 def train(cfg, tc: TrainConfig, state: dict, stream: np.ndarray, hasher, *, max_steps: int | None = None,
           deadline: float | None = None, ckpt_dir: str | None = None, ckpt_every: int = 200, log=print,
           start_step: int = 0, total_steps: int | None = None, plan_after: int = 5,
-          step_fn=None) -> tuple[dict, dict]:
+          step_fn=None, on_plan=None) -> tuple[dict, dict]:
     """Run steps until `max_steps` or the wall-clock `deadline` (time.time()); returns (state, summary).
 
     Without `total_steps` the schedule length is planned after `plan_after` timed steps from the time left.
     `step_fn(state, tokens, ids, lr)`: an ahead-of-time compiled `train_step` (default: the jitted one).
+    `on_plan()` is called once the step count is planned (run.py starts CPU-heavy side work only then, so the
+    timed steps are not slowed by it and the schedule does not end early).
     """
     if step_fn is None:
         step_fn = functools.partial(train_step, cfg, tc)
@@ -226,6 +228,8 @@ def train(cfg, tc: TrainConfig, state: dict, stream: np.ndarray, hasher, *, max_
             total_steps = step + int((deadline - time.time()) / per * 0.97)
             log({"event": "plan", "step": step, "step_s": round(per, 4), "total_steps": total_steps,
                  "tokens_per_s": round(tc.batch * tc.seq_len / per)})
+            if on_plan is not None:
+                on_plan()
         if step % 10 == 0 or step == 1:
             log({"event": "step", "step": step, "ce": round(ce, 4), "indexer": round(float(m["indexer"]), 4),
                  "grad_norm": round(float(m["grad_norm"]), 3), "lr": lr_at(tc, step - 1, planned),
