@@ -82,6 +82,7 @@ class Conversion:
         self.src, self.out = str(src), os.path.abspath(str(out)).rstrip(os.sep)
         self.piece_bytes, self.progress = int(piece_bytes), progress
         self.kill = _KillSwitch()
+        self._reader = None  # one O_DIRECT expert reader over the GGUF for every expert piece
 
     # ---- driver ----------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -102,22 +103,25 @@ class Conversion:
             bar = tqdm(total=sum(p[1] for p in pieces), unit="B", unit_scale=True, desc="converting",
                        disable=not self.progress)
             skipped = written = 0
-            for piece_id, nbytes, write, verify in pieces:
-                if piece_id in done and self._still_good(work, verify, done[piece_id], piece_id):
-                    skipped += nbytes
-                else:
-                    record = write(work)
-                    self.kill.event()  # bytes written, not yet durable nor journaled
-                    self._append(work, {"piece": piece_id, "record": record})
-                    done[piece_id] = record
-                    written += nbytes
-                bar.update(nbytes)
-            bar.close()
+            try:
+                for piece_id, nbytes, write, verify in pieces:
+                    if piece_id in done and self._still_good(work, verify, done[piece_id], piece_id):
+                        skipped += nbytes
+                    else:
+                        record = write(work)
+                        self._append(work, {"piece": piece_id, "record": record})
+                        done[piece_id] = record
+                        written += nbytes
+                    bar.update(nbytes)
+            finally:
+                bar.close()
+                if self._reader is not None:
+                    self._reader.close()
             self._finish(work, plan, done)
         seconds = time.perf_counter() - t0
         return {"out": self.out, "bytes_written": written, "bytes_skipped": skipped, "resumed": resumed,
                 "seconds": round(seconds, 3), "gb_per_s": round(written / max(seconds, 1e-9) / 1e9, 3),
-                "pieces": len(pieces)}
+                "pieces": len(pieces), "events": self.kill.events}
 
     def _workdir(self) -> str:
         if os.path.exists(self.out):
@@ -288,9 +292,10 @@ class Conversion:
         buf = aligned_empty(n * el.stride)
         buf[:] = 0  # the padding after each chunk is written as zeros, so resumed files are byte-identical
         keys = [(el.layer, e0 + i) for i in range(n)]
-        with ExpertReader(ExpertLayout.from_model(model)) as reader:  # O_DIRECT from the GGUF stacks
-            reader.read(keys, out={k: buf[i * el.stride:i * el.stride + el.expert_bytes] for i, k in enumerate(keys)},
-                        timeout=max(reader.timeout_s, len(buf) / 20e6))
+        if self._reader is None:
+            self._reader = ExpertReader(ExpertLayout.from_model(model))  # O_DIRECT from the GGUF stacks
+        self._reader.read(keys, out={k: buf[i * el.stride:i * el.stride + el.expert_bytes] for i, k in enumerate(keys)},
+                          timeout=max(self._reader.timeout_s, len(buf) / 20e6))
         record = [F.digest(buf[i * el.stride:i * el.stride + el.expert_bytes]) for i in range(n)]
         fd = os.open(os.path.join(work, F.EXPERTS_FILE), os.O_WRONLY)
         try:
