@@ -179,3 +179,19 @@ def test_unfinished_or_foreign_directories_are_refused(converted, tmp_path):
         open_model(tmp_path)
     with pytest.raises(ConvertError, match="already exists"):
         convert(str(SHIPPED["deepseek41"]), str(converted["deepseek41"][1]), progress=False)
+
+
+def test_serve_loader_opens_a_checkpoint(converted):
+    """The server's loader (validate, read every file for progress, build the engine) takes the directory."""
+    from jds41.serve import ServeOptions
+    from jds41.serve.loader import ModelLoader
+
+    _, dst = converted["deepseek4"]
+    loader = ModelLoader(str(dst), ServeOptions(warmup=False, slots=1))
+    loader._load()
+    try:
+        assert loader.ready and loader.engine.cfg.arch == "deepseek4"
+        files = [p for p in dst.rglob("*") if p.is_file()]
+        assert loader.bytes_done == loader.bytes_total == sum(p.stat().st_size for p in files)
+    finally:
+        loader.stop()
