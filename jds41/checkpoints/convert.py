@@ -33,7 +33,7 @@ import numpy as np
 
 from jds41.checkpoints import orbax_layout as F
 from jds41.checkpoints.orbax_model import item_handler, open_checkpoint
-from jds41.errors import Jds41Error, ModelFileError
+from jds41.errors import Jds41Error
 
 KILL_ENV = "JDS41_CONVERT_KILL_AFTER"
 
@@ -53,19 +53,6 @@ class _KillSwitch:
         self.events += 1
         if self.after is not None and self.events >= self.after:
             os.kill(os.getpid(), signal.SIGKILL)
-
-
-def read_range(path: str, offset: int, n: int) -> np.ndarray:
-    """n bytes at offset, plain pread into a fresh buffer (no memory map: mapped pages would count as our memory)."""
-    buf = np.empty(n, np.uint8)
-    with open(path, "rb", buffering=0) as f:
-        got = 0
-        while got < n:
-            k = os.preadv(f.fileno(), [memoryview(buf)[got:]], offset + got)
-            if k <= 0:
-                raise ModelFileError(path, f"short read: {got} of {n} bytes at offset {offset}")
-            got += k
-    return buf
 
 
 def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
@@ -233,7 +220,7 @@ class Conversion:
                 n = min(e["part_bytes"], e["n_bytes"] - lo)
                 pieces.append((f"rows:{name}:{part}", n,
                                lambda w, name=name, e=e, lo=lo, n=n: self._write_rows(w, model, name, e, lo, n),
-                               lambda w, e=e, lo=lo, n=n: F.digest(read_range(os.path.join(w, F.ROWS_FILE),
+                               lambda w, e=e, lo=lo, n=n: F.digest(F.read_range(os.path.join(w, F.ROWS_FILE),
                                                                               e["offset"] + lo, n))))
         return pieces
 
@@ -307,12 +294,12 @@ class Conversion:
         return record
 
     def _verify_experts(self, work: str, el: F.ExpertLayer, e0: int, n: int) -> list[str]:
-        data = read_range(os.path.join(work, F.EXPERTS_FILE), el.chunk_offset(e0), n * el.stride)
+        data = F.read_range(os.path.join(work, F.EXPERTS_FILE), el.chunk_offset(e0), n * el.stride)
         return [F.digest(data[i * el.stride:i * el.stride + el.expert_bytes]) for i in range(n)]
 
     def _write_rows(self, work: str, model, name: str, e: dict, lo: int, n: int) -> str:
         info = model.tensors[name]
-        data = read_range(info.shard, info.offset + lo, n)
+        data = F.read_range(info.shard, info.offset + lo, n)
         fd = os.open(os.path.join(work, F.ROWS_FILE), os.O_WRONLY)
         try:
             _pwrite(fd, data, e["offset"] + lo)

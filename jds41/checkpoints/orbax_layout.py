@@ -34,12 +34,14 @@ from typing import Any
 import numpy as np
 
 from jds41.checkpoints.schema import Kind, model_tensors
+from jds41.errors import ModelFileError
 
 FORMAT = "jds41-orbax"
 VERSION = 1
 HASH = "blake2b-128"
 ALIGN = 4096
-MANIFEST, METADATA, CONFIG, JOURNAL, PLAN = "manifest.json", "metadata.json", "config.json", "journal.jsonl", "plan.json"
+MANIFEST, METADATA, CONFIG = "manifest.json", "metadata.json", "config.json"
+JOURNAL, PLAN = "journal.jsonl", "plan.json"
 DENSE_DIR, EXPERTS_FILE, ROWS_FILE = "dense", "experts.bin", "engram.bin"
 PARTIAL_SUFFIX = ".partial"
 ROWS_PART_BYTES = 64 << 20
@@ -158,6 +160,19 @@ def source_identity(model) -> dict:
         shards.append({"file": os.path.basename(s.path), "size": s.size, "mtime_ns": st.st_mtime_ns,
                        "header_blake2b": digest(head)})
     return {"file": os.path.basename(model.path), "size": sum(s.size for s in model.shards), "shards": shards}
+
+
+def read_range(path: str, offset: int, n: int) -> np.ndarray:
+    """n bytes at offset, plain pread into a fresh buffer (no memory map: mapped pages would count as our memory)."""
+    buf = np.empty(n, np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        got = 0
+        while got < n:
+            k = os.preadv(f.fileno(), [memoryview(buf)[got:]], offset + got)
+            if k <= 0:
+                raise ModelFileError(path, f"short read: {got} of {n} bytes at offset {offset}")
+            got += k
+    return buf
 
 
 def write_json(path: str, obj: Any) -> None:

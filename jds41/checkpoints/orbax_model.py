@@ -22,6 +22,7 @@ naming the tensor (and, for a chunk, the layer and expert); the SSD reader repor
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import threading
@@ -48,10 +49,6 @@ class ExpertStackInfo(TensorInfo):
     not contiguous with expert e+1 as in a GGUF."""
 
     expert_stride: int = 0
-
-
-def is_checkpoint_dir(path: str | os.PathLike) -> bool:
-    return os.path.isdir(path)
 
 
 def item_handler():
@@ -136,7 +133,8 @@ class OrbaxModel:
             if memory_kind not in kinds:
                 if memory_kind != "pinned_host":
                     raise ValueError(f"{device.platform} has no memory kind {memory_kind!r} (has {sorted(kinds)})")
-                warnings.warn(f"{device.platform} has no pinned_host memory: restoring into device memory", stacklevel=2)
+                warnings.warn(f"{device.platform} has no pinned_host memory: restoring into device memory",
+                              stacklevel=2)
                 memory_kind = "device"
             sharding = jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
         by_item: dict[str, list[str]] = {}
@@ -205,7 +203,7 @@ class OrbaxModel:
             with self._lock:
                 if self.verify == "first" and key in self._verified:
                     return None
-        h = _hasher()
+        h = hashlib.blake2b(digest_size=16)
         for p in pieces:
             h.update(memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8)))
         if h.hexdigest() != self.manifest["expert_chunks"][str(layer)][expert]:
@@ -285,8 +283,6 @@ class OrbaxModel:
     # ---- full verification -----------------------------------------------------------------------------------
     def verify_all(self) -> dict:
         """Hash every stored byte against the manifest; raises ModelFileError naming the first bad tensor."""
-        from jds41.checkpoints.convert import read_range  # the converter's plain pread helper
-
         counts = {"dense": 0, "expert_chunks": 0, "row_parts": 0}
         items: dict[str, list[str]] = {}
         for name, e in self.manifest["tensors"].items():
@@ -296,7 +292,7 @@ class OrbaxModel:
                 for i, want in enumerate(e["blake2b"]):
                     lo = i * e["part_bytes"]
                     n = min(e["part_bytes"], e["n_bytes"] - lo)
-                    if F.digest(read_range(self.rows_path, e["offset"] + lo, n)) != want:
+                    if F.digest(F.read_range(self.rows_path, e["offset"] + lo, n)) != want:
                         raise ModelFileError(self.rows_path, f"checksum mismatch in part {i} (bytes {lo}..{lo + n})",
                                              tensor=name)
                     counts["row_parts"] += 1
@@ -304,7 +300,7 @@ class OrbaxModel:
             counts["dense"] += len(self.restore(item_names))
         for layer, el in self.expert_layers.items():
             for expert in range(el.n_experts):
-                data = read_range(self.experts_path, el.chunk_offset(expert), el.expert_bytes)
+                data = F.read_range(self.experts_path, el.chunk_offset(expert), el.expert_bytes)
                 reason = self.check_expert((layer, expert), [data], force=True)
                 if reason:
                     raise ModelFileError(self.experts_path, reason, tensor=f"blk.{layer}.ffn_gate_exps.weight")
@@ -331,12 +327,6 @@ class OrbaxModel:
             return self.tensors[name]
         except KeyError:
             raise KeyError(f"no tensor {name!r} in {self.path}") from None
-
-
-def _hasher():
-    import hashlib
-
-    return hashlib.blake2b(digest_size=16)
 
 
 def _stored_shape(info: TensorInfo) -> tuple[tuple[int, ...], np.dtype]:
