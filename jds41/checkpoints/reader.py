@@ -138,8 +138,13 @@ class GGUFModel:
 
 
 def open_model(path: str | os.PathLike) -> GGUFModel:
-    """Open and validate a GGUF model (any shard's path opens the whole set). Raises ModelFileError only."""
+    """Open and validate a GGUF model (any shard's path opens the whole set), or a directory written by
+    `python -m jds41.checkpoints.convert` (an OrbaxModel, same interface). Raises ModelFileError only."""
     path = str(path)
+    if os.path.isdir(path):
+        from jds41.checkpoints.orbax_model import open_checkpoint  # Orbax and its deps load only for checkpoints
+
+        return open_checkpoint(path)
     try:
         return _open(path)
     except Jds41Error:

@@ -61,7 +61,10 @@ def load_tensors(model, names: Sequence[str], *, threads: int = 8, chunk_bytes: 
                  direct: bool = True, sharding: jax.sharding.Sharding | None = None, progress: bool = True,
                  stall_timeout_s: float = 60.0, align: int = ALIGN, open_fn: OpenFn | None = None,
                  read_fn: ReadFn | None = None) -> LoadResult:
-    """Read `names` of an open GGUFModel (its tensor directory only: the memory maps are not touched)."""
+    """Read `names` of an open GGUFModel (its tensor directory only: the memory maps are not touched). An Orbax
+    checkpoint (jds41.checkpoints.orbax_model) restores them its own way and gives the same result."""
+    if hasattr(model, "load_tensors"):
+        return model.load_tensors(names, progress=progress, sharding=sharding)
     infos = [model.tensors[n] if n in model.tensors else _missing(model, n) for n in dict.fromkeys(names)]
     files = DirectFiles(direct=direct, align=align, open_fn=open_fn, read_fn=read_fn)
     spans, views = [], {}

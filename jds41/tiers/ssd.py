@@ -65,8 +65,8 @@ class DirectIOUnavailable(RuntimeWarning):
 class ReadFault(Exception):
     """A chunk read failed (internal; callers translate it into their own error naming what the bytes were)."""
 
-    def __init__(self, path: str, reason: str):
-        self.path, self.reason, self.owners = path, reason, ()
+    def __init__(self, path: str, reason: str, owners: tuple = ()):
+        self.path, self.reason, self.owners = path, reason, owners
         super().__init__(f"{path}: {reason}")
 
 
@@ -304,6 +304,8 @@ class ExpertReader:
             with self.files._lock:
                 self._pending.discard(result)
             exc = f.exception()
+            if exc is None and self.layout.check is not None:  # an Orbax chunk checksum: bad bytes never pass
+                exc = self._check(keys, dests)
             if exc is None:
                 _settle(result, {k: dests[k][0] for k in keys})
                 return
@@ -317,6 +319,16 @@ class ExpertReader:
 
         read_spans(self._pool, self.files, spans, self.chunk_bytes).add_done_callback(finish)
         return result
+
+    def _check(self, keys: list[Key], dests: dict) -> ReadFault | None:
+        for k in keys:
+            try:
+                why = self.layout.check(k, dests[k][1])
+            except Exception as e:  # noqa: BLE001 - the request must settle, never leave its waiter hanging
+                why = f"checking the bytes failed: {type(e).__name__}: {e}"
+            if why:
+                return ReadFault(self.layout.pieces(k)[0][0], why, owners=(k,))
+        return None
 
     def read(self, keys: Iterable[Key], out: dict | None = None, timeout: float | None = None) -> dict:
         """Blocking read; raises ExpertReadError on a fault or when nothing came back within the timeout."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +49,10 @@ class Stack:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     expert_bytes: int
+    stride: int = 0  # bytes from one expert's piece to the next: expert_bytes in a GGUF, the chunk size in Orbax
 
     def piece(self, expert: int) -> tuple[str, int, int]:
-        return self.path, self.offset + expert * self.expert_bytes, self.expert_bytes
+        return self.path, self.offset + expert * (self.stride or self.expert_bytes), self.expert_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +60,13 @@ class ExpertLayout:
     """layer -> (gate, up, down) stacks. An expert's bytes, as the reader returns them, are gate|up|down."""
 
     stacks: dict[int, tuple[Stack, Stack, Stack]]
+    # check(key, [gate, up, down]) -> None or why the bytes are bad: an Orbax checkpoint's chunk checksum
+    check: Callable[[Key, list[np.ndarray]], str | None] | None = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def from_model(cls, model) -> ExpertLayout:
-        """From an open jds41.checkpoints GGUFModel (only its tensor directory is used, never its maps)."""
+        """From an open jds41.checkpoints GGUFModel (only its tensor directory is used, never its maps) or Orbax
+        checkpoint (its stacks are strided by the chunk size and its chunks carry checksums)."""
         found: dict[int, dict[str, Stack]] = {}
         for name, t in model.tensors.items():
             m = _STACK.match(name)
@@ -70,13 +75,13 @@ class ExpertLayout:
             if len(t.shape) != 3 or t.n_bytes % t.shape[0]:
                 raise ValueError(f"{t.shard}: {name}: shape {t.shape} / {t.n_bytes} bytes is not an expert stack")
             found.setdefault(int(m[1]), {})[m[2]] = Stack(m[2], name, t.shard, t.offset, t.ggml_type, t.shape,
-                                                          t.n_bytes // t.shape[0])
+                                                          t.n_bytes // t.shape[0], getattr(t, "expert_stride", 0))
         stacks = {}
         for layer, by_kind in sorted(found.items()):
             if set(by_kind) != set(KINDS) or len({s.shape[0] for s in by_kind.values()}) != 1:
                 raise ValueError(f"layer {layer}: expert stacks {sorted(by_kind)} are incomplete or disagree on E")
             stacks[layer] = tuple(by_kind[k] for k in KINDS)
-        return cls(stacks)
+        return cls(stacks, getattr(model, "check_expert", None))
 
     @property
     def layers(self) -> list[int]:
