@@ -55,14 +55,15 @@ from jds41.tiers.experts import FAILURES, STACKS, TieredLayer, host_rows, prefet
 LAYER_MAJOR_MIN = 64  # the smallest layer-major piece; shorter remainders run token-major (model.prefill/step)
 
 
-def plan_pieces(n_tokens: int, chunk: int, min_piece: int = LAYER_MAJOR_MIN) -> tuple[list[int], int]:
+def plan_pieces(n_tokens: int, chunk: int, min_piece: int | None = None) -> tuple[list[int], int]:
     """(layer-major piece lengths, token-major remainder) for `n_tokens`: full chunks, then the binary
-    decomposition of the rest into powers of two >= min(min_piece, chunk). chunk <= 0: all token-major."""
+    decomposition of the rest into powers of two >= min(min_piece, chunk) (default LAYER_MAJOR_MIN, read at call
+    time). chunk <= 0: all token-major."""
     if chunk <= 0:
         return [], n_tokens
     pieces = [chunk] * (n_tokens // chunk)
     rest = n_tokens % chunk
-    floor = min(min_piece, chunk)
+    floor = min(LAYER_MAJOR_MIN if min_piece is None else min_piece, chunk)
     b = 1 << max(chunk - 1, 0).bit_length() - 1 if chunk > 1 else 1  # largest power of two below chunk
     while b >= floor and rest:
         if rest >= b:
