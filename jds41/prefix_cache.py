@@ -162,7 +162,7 @@ def _encode(snap: Snapshot, fingerprint: str) -> bytes:
         arrays["experts"] = snap.experts
     table, payload, at = [], [], 0
     for name, a in arrays.items():
-        a = np.ascontiguousarray(a)
+        a = np.asarray(a, order="C")  # (np.ascontiguousarray would turn a 0-d leaf into shape (1,))
         table.append([name, a.dtype.str, list(a.shape), at, a.nbytes])
         payload.append(a.tobytes())
         at += a.nbytes
