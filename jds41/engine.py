@@ -183,6 +183,12 @@ class Session:
 
         return resume_session(self, tokens, max_len)
 
+    def feed_prompt(self, tokens: Sequence[int]) -> np.ndarray:
+        """`feed` through the prefix cache: resume from the longest cached prefix, compute the rest; the logits
+        after the last token [V] (an exact hit computes nothing)."""
+        n = self.restore_prefix(tokens)
+        return np.array(self._cached_logits) if n == len(tokens) else self.feed(list(tokens)[n:])
+
     def save_prefix(self, logits) -> None:
         """Snapshot the state after every token so far (`logits`: those after the last one) into the cache."""
         if self.engine.prefix_cache is not None and self.tokens:
@@ -215,10 +221,6 @@ class Session:
             raise RequestError("no tokens to feed")
         self._check(tokens)
         eng = self.engine
-        restored = 0 if all_logits or self.tokens else self.restore_prefix(tokens)
-        if restored == len(tokens):
-            return np.array(self._cached_logits)  # the whole prompt was cached
-        tokens = tokens[restored:]
         out = []
         i = 0
         if eng.tiers is not None:
@@ -256,7 +258,7 @@ class Session:
     def generate(self, prompt: Sequence[int], max_new: int, sampling: SamplingParams = SamplingParams(),
                  stop_ids: Sequence[int] = (), logits_out: list | None = None) -> Iterator[int]:
         """Yield up to `max_new` tokens after `prompt`; stops after a token in `stop_ids` (which is yielded)."""
-        logits = self.feed(prompt, all_logits=logits_out is not None)
+        logits = self.feed(prompt, all_logits=True) if logits_out is not None else self.feed_prompt(prompt)
         self.save_prefix(logits[-1] if logits_out is not None else logits)
         if logits_out is not None:
             logits_out.extend(logits)

@@ -127,7 +127,7 @@ def test_shared_prefixes_give_identical_logits_and_tokens(engines):
              "partial": base[:13] + rng.integers(8, 200, 9).tolist()}
     for name, prompt in cases.items():
         session = cached.session()
-        got = session.feed(prompt)
+        got = session.feed_prompt(prompt)
         want = plain.session().feed(prompt)
         np.testing.assert_array_equal(got, want, err_msg=name)
         assert session.cached_tokens == {"exact": 20, "longer": 20, "partial": 8}[name]
@@ -140,7 +140,7 @@ def test_shared_prefixes_give_identical_logits_and_tokens(engines):
     assert len(reopened.prefix_cache) >= 3
     session = reopened.session()
     prompt = cases["longer"][:23]  # the files hold 8, 16, 20 and (from the greedy run above) 25 tokens of it
-    np.testing.assert_array_equal(session.feed(prompt), plain.session().feed(prompt))
+    np.testing.assert_array_equal(session.feed_prompt(prompt), plain.session().feed(prompt))
     assert session.cached_tokens == 20 and reopened.prefix_cache.stats.hits == 1
 
 
@@ -163,7 +163,7 @@ def test_working_set_saved_with_snapshot_and_prefetched_on_restore(synthetic_mod
     real_prefetch = ssd.prefetch
     ssd.prefetch = lambda keys: asked.append(list(keys)) or real_prefetch(keys)
     resumed = engine.session()
-    logits = resumed.feed(prompt + [5, 6])
+    logits = resumed.feed_prompt(prompt + [5, 6])
     assert resumed.cached_tokens == 17
     want = sorted(zip(*map(np.ndarray.tolist, np.nonzero(on_ssd))))[:ssd.cache.n_slots]
     assert asked and sorted(asked[0]) == want[:len(asked[0])] and len(asked[0]) == min(len(want), ssd.cache.n_slots)
