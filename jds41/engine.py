@@ -145,7 +145,9 @@ class Session:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.state = M.init_state(engine.plan)
+        # Committed to the device like every state a jitted call returns: a tiered model's outputs are committed,
+        # and jit keys its cache on commitment, so an uncommitted first state compiled each program twice.
+        self.state = jax.device_put(M.init_state(engine.plan), jax.devices()[0])
         self.tokens: list[int] = []
         self.expert_counts: np.ndarray | None = None  # per layer and expert, selections so far (tier profiles)
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache instead of computed

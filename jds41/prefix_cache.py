@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jds41 import model as M
@@ -122,7 +121,8 @@ def restore(plan, template: dict, snap: Snapshot) -> dict:
         for part, leaf in ratios:
             st[part][leaf] = pad(st[part][leaf], want[part][leaf])
         layers.append(st)
-    return jax.tree.map(jnp.asarray, {"pos": state["pos"], "layers": layers})
+    # committed, like Session's states (jit keys its cache on it): a restored session compiles nothing new
+    return jax.device_put({"pos": state["pos"], "layers": layers}, jax.devices()[0])
 
 
 def prefetch_working_set(tiers, experts: np.ndarray | None) -> int:
