@@ -49,6 +49,7 @@ from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_onehot_pre
 from jds41.layers.moe import routed_experts, shared_expert
 from jds41.layers.norm import rms_norm
 from jds41.layers.router import route
+from jds41.layers.rowwise import island
 from jds41.quant import QTensor, qmatvec
 from jds41.tiers.experts import FAILURES, STACKS, TieredLayer, host_rows, prefetch_experts
 
@@ -99,9 +100,9 @@ def _ssd_union_fetch(tl: TieredLayer, shapes: tuple):
 
 def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict[str, QTensor]:
     """Raw rows of the union's experts, [U, out, in] per stack, each from the tier that owns it: one gather from
-    the tier-0 stack, one move from the pinned-host stack (the whole stack when the union could cover it, else
-    one device_put per union entry as tiers/experts.host_rows does), one host call for the SSD experts (made
-    only when the union has one)."""
+    the tier-0 stack, one move from the pinned-host stack (tiers/experts.host_rows: one device_put per expert, of
+    the whole stack when the union could cover it, else of each union entry), one host call for the SSD experts
+    (made only when the union has one). Every move depends on the layer's routing, so layers move in turn."""
     U = union_U.shape[0]
     tier_U = jnp.where(valid_U, tl.tier_E[union_U], -1)
     local_U = tl.local_E[union_U]
@@ -117,9 +118,12 @@ def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict
         rows = jnp.take(tl.hbm[n].data, jnp.where(tier_U == 0, local_U, 0), axis=0)
         if tl.has_host:
             host_local = jnp.where(tier_U == 1, local_U, 0)
-            if U >= tl.host[n].data.shape[0]:  # the union may need every host expert: one transfer of the stack
-                whole = jax.device_put(tl.host[n].data, jax.memory.Space.Device)
-                host = jnp.take(whole, host_local, axis=0)
+            n_host = tl.host[n].data.shape[0]
+            if U >= n_host:  # the union may need every host expert: move the stack once, expert by expert
+                # The barrier ties the move to this layer's routing: without it XLA may start every layer's
+                # transfer at once (they depend on no data), holding all layers' host stacks on the device.
+                every, _ = island((jnp.arange(n_host, dtype=jnp.int32), union_U))
+                host = jnp.take(host_rows(tl.host[n], every), host_local, axis=0)
             else:
                 host = host_rows(tl.host[n], host_local)
             rows = jnp.where((tier_U == 1)[:, None, None], host, rows)

@@ -102,6 +102,14 @@ def test_layer_major_with_tiered_experts_bitwise_and_moves_less(synthetic_model)
     assert 0 < moved["ssd"] <= moved["ssd_token_major"]
     assert 0 < moved["host"] <= moved["host_token_major"]
 
+    # Groups of 2 tokens with every expert in host memory: the union (<= 2 x K = 4) is smaller than the host
+    # stack (8), so its experts move one by one instead of the whole stack.
+    all_host = {(layer, e): (1, e) for layer in range(engine.cfg.n_layers) for e in range(engine.cfg.n_experts)}
+    assert 2 * engine.cfg.n_experts_used < engine.cfg.n_experts
+    with ExpertReader(layout) as reader:
+        stores = build_stores(layout, all_host, reader, n_slots=2)
+        _assert_same(engine.with_params(place_experts(load_params(engine.cfg, model), stores, layout)), tokens[:4], 2)
+
 
 @pytest.mark.slow
 def test_engine_pieces_equal_token_major_feed(synthetic_model, monkeypatch):
