@@ -2,8 +2,10 @@
 
 `Engine.open(path)` validates the file, builds the config, tokenizer, parameter pytree and layer plan once;
 `Engine.session()` gives a `Session` that owns its decode state and token history, so callers never see tensors.
-Prompts are read in fixed-size chunks through the jitted `prefill` scan (one compilation for every prompt length)
-and the remainder one token at a time through `decode_step`; both run the same per-token arithmetic.
+Prompts are read layer-major (jds41/prefill.py) in chunks of `prefill_chunk` tokens and power-of-two pieces of
+the rest, so an expert outside HBM moves once per piece; the remainder below the smallest piece goes through the
+token-major `prefill` scan and one token at a time through `decode_step`. All three give bit-identical results.
+With a prefix cache (jds41/prefix_cache.py) a fresh session resumes from the longest cached prefix of its prompt.
 
 Engram rows are known from token ids before a step runs, so the session hashes them on the host and reads them
 through the engine's row source (memory-mapped here; the tiers give SSD and host-memory sources later).
@@ -23,12 +25,14 @@ from jds41 import model as M
 from jds41.checkpoints import open_model
 from jds41.errors import Jds41Error
 from jds41.layers.engram_rows import EngramHasher, MmapRowSource, read_step_rows
+from jds41.prefill import plan_pieces, prefill_layer_major
 from jds41.tiers.experts import take_failure
 from jds41.tiers.loader import load_tensors
 from jds41.tokenizer import Tokenizer
 from jds41.weights import load_params, matrix_names
 
-PREFILL_CHUNK = 32  # tokens per prefill scan call: one compiled program serves every prompt length
+PREFILL_CHUNK = 32  # tokens per token-major scan call: one compiled program serves every prompt length
+DEFAULT_PREFILL_CHUNK = 4096  # tokens per layer-major prefill group (0 = token-major only, the reference path)
 # Engine.open(numerics=...) -> QTensor.act_round. "llamacpp" rounds activations before quantized products as
 # llama.cpp's CPU backend does (Q8_0 blocks for Q8_0/MXFP4 weights, F16 for F16), to compare against it tightly.
 NUMERICS = {"jds41": None, "llamacpp": "ggml-cpu"}
@@ -56,12 +60,19 @@ class Engine:
         self.load_seconds = load_seconds
         self.tiers = tiers  # jds41.tiers.runtime.TierRuntime when a profile placed the experts, else None
         self.load_stats: dict = {}  # bytes, seconds, GB/s and O_DIRECT use of the bulk read (set by open)
+        self.prefill_chunk = DEFAULT_PREFILL_CHUNK
+        self.prefix_cache = None  # jds41.prefix_cache.PrefixCache, set by open(prefix_cache_bytes=...)
 
     @classmethod
     def open(cls, path: str, max_ctx: int | None = None, numerics: str = "jds41", profile: str | None = None,
-             usage: str | None = None, progress: bool = False) -> Engine:
+             usage: str | None = None, progress: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+             prefix_cache_bytes: int = 0, prefix_cache_dir: str | None = None) -> Engine:
         """Open a model; with `profile` (a shipped name or a JSON path) the routed experts are placed across HBM,
-        pinned host memory and the SSD by it (`usage`: a usage.json overriding the profile's placement source)."""
+        pinned host memory and the SSD by it (`usage`: a usage.json overriding the profile's placement source).
+        `prefill_chunk`: tokens per layer-major prefill group (0: token-major only); `prefix_cache_bytes` > 0
+        keeps prompt snapshots in host memory (and in `prefix_cache_dir` when given, across restarts)."""
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {sorted(NUMERICS)}, got {numerics!r}")
         t0 = time.perf_counter()
@@ -98,6 +109,11 @@ class Engine:
         engine.load_stats = {"bytes": loaded.bytes, "seconds": round(loaded.seconds, 3),
                              "gb_per_s": round(loaded.bytes / max(loaded.seconds, 1e-9) / 1e9, 3),
                              "direct_io": loaded.direct_io}
+        engine.prefill_chunk = prefill_chunk
+        if prefix_cache_bytes > 0:
+            from jds41.prefix_cache import PrefixCache, fingerprint
+
+            engine.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_cache_dir, fingerprint(engine))
         return engine
 
     @property
@@ -110,8 +126,10 @@ class Engine:
 
     def with_params(self, params: dict) -> Engine:
         """The same model with another parameter pytree (e.g. experts placed across tiers); shares everything else."""
-        return Engine(self.path, self.gguf, params, self.plan, self.tokenizer, self.engram, self.load_seconds,
-                      self.tiers)
+        engine = Engine(self.path, self.gguf, params, self.plan, self.tokenizer, self.engram, self.load_seconds,
+                        self.tiers)
+        engine.prefill_chunk, engine.prefix_cache = self.prefill_chunk, self.prefix_cache
+        return engine
 
     def session(self) -> Session:
         return Session(self)
@@ -131,8 +149,13 @@ class Session:
 
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.state = M.init_state(engine.plan)
+        # Committed to the device like every state a jitted call returns: a tiered model's outputs are committed,
+        # and jit keys its cache on commitment, so an uncommitted first state compiled each program twice.
+        self.state = jax.device_put(M.init_state(engine.plan), jax.devices()[0])
         self.tokens: list[int] = []
+        self.expert_counts: np.ndarray | None = None  # per layer and expert, selections so far (tier profiles)
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache instead of computed
+        self._looked_up = False
 
     # ---- host-side inputs ----------------------------------------------------------------------------------
     def _engram_rows(self, new_tokens: Sequence[int]) -> jax.Array | None:
@@ -153,6 +176,36 @@ class Session:
         """Per-tier counts from the expert ids the step returned (only when experts are placed by a profile)."""
         if routing and self.engine.tiers is not None:
             self.engine.tiers.record(routing[0])
+            if self.expert_counts is None:  # the working set a prefix snapshot carries
+                self.expert_counts = np.zeros(self.engine.tiers.tier_LE.shape, np.int64)
+            experts_TLK = np.asarray(routing[0]["experts"])
+            np.add.at(self.expert_counts, (np.arange(experts_TLK.shape[1])[None, :, None], experts_TLK), 1)
+
+    # ---- prefix cache (issue #10; jds41/prefix_cache.py) ----------------------------------------------------
+    def restore_prefix(self, tokens: Sequence[int], max_len: int | None = None) -> int:
+        """On a fresh session: resume from the longest cached prefix of `tokens` (at most `max_len` of them) and
+        prefetch its expert working set; returns the tokens restored (0: none cached, or no cache)."""
+        from jds41.prefix_cache import resume_session
+
+        return resume_session(self, tokens, max_len)
+
+    def feed_prompt(self, tokens: Sequence[int]) -> np.ndarray:
+        """`feed` through the prefix cache: resume from the longest cached prefix, compute the rest; the logits
+        after the last token [V] (an exact hit computes nothing)."""
+        n = self.restore_prefix(tokens)
+        return np.array(self._cached_logits) if n == len(tokens) else self.feed(list(tokens)[n:])
+
+    def save_prefix(self, logits) -> None:
+        """Snapshot the state after every token so far (`logits`: those after the last one) into the cache."""
+        if self.engine.prefix_cache is not None and self.tokens:
+            from jds41.prefix_cache import capture
+
+            self.engine.prefix_cache.put(capture(self.engine.plan, self.state, self.tokens, logits,
+                                                 self.expert_counts))
+
+    def _at_boundary(self, logits) -> None:
+        if self.engine.prefill_chunk and len(self.tokens) % self.engine.prefill_chunk == 0:
+            self.save_prefix(logits)
 
     # ---- model calls ---------------------------------------------------------------------------------------
     def feed(self, tokens: Sequence[int], all_logits: bool = False) -> np.ndarray:
@@ -178,6 +231,16 @@ class Session:
         i = 0
         if eng.tiers is not None:
             eng.tiers.prefetch_tokens(tokens)  # token ids are known now: start the hash layers' SSD reads
+        for n in plan_pieces(len(tokens), eng.prefill_chunk)[0]:  # layer-major groups, then the token-major rest
+            chunk = tokens[i:i + n]
+            logits, self.state, *routing = prefill_layer_major(eng.plan, eng.params, self.state,
+                                                               jnp.asarray(chunk, jnp.int32), self._engram_rows(chunk),
+                                                               eng.tiers is not None)
+            self._record(routing)
+            out.append(logits if all_logits else logits[-1:])
+            self.tokens += chunk
+            i += n
+            self._at_boundary(logits[-1])
         while len(tokens) - i >= PREFILL_CHUNK:
             chunk = tokens[i:i + PREFILL_CHUNK]
             rows = self._engram_rows(chunk)
@@ -187,6 +250,7 @@ class Session:
             out.append(logits if all_logits else logits[-1:])
             self.tokens += chunk
             i += PREFILL_CHUNK
+            self._at_boundary(logits[-1])
         for t in tokens[i:]:
             rows = self._engram_rows([t])
             logits, self.state, *routing = M.decode_step(eng.plan, eng.params, self.state, jnp.asarray(t, jnp.int32),
@@ -200,7 +264,8 @@ class Session:
     def generate(self, prompt: Sequence[int], max_new: int, sampling: SamplingParams = SamplingParams(),
                  stop_ids: Sequence[int] = (), logits_out: list | None = None) -> Iterator[int]:
         """Yield up to `max_new` tokens after `prompt`; stops after a token in `stop_ids` (which is yielded)."""
-        logits = self.feed(prompt, all_logits=logits_out is not None)
+        logits = self.feed(prompt, all_logits=True) if logits_out is not None else self.feed_prompt(prompt)
+        self.save_prefix(logits[-1] if logits_out is not None else logits)
         if logits_out is not None:
             logits_out.extend(logits)
             logits = logits[-1]

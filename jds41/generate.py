@@ -35,6 +35,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ctx", type=int, default=None, help="context size (default min(model context, 8192))")
     ap.add_argument("--profile", default=None, help="place experts across HBM / host / SSD by a profile (name or JSON)")
     ap.add_argument("--usage", default=None, help="usage.json from python -m jds41.tiers.profile (placement source)")
+    ap.add_argument("--prefill-chunk", type=int, default=4096,
+                    help="prompt tokens per layer-major prefill group (default 4096; 0 = token-major only)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--logits", metavar="FILE.npy", help="save the logits of every prompt position and step")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
@@ -59,7 +61,8 @@ def _prompt_ids(args: argparse.Namespace, engine: Engine) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    engine = Engine.open(args.model, max_ctx=args.ctx, profile=args.profile, usage=args.usage, progress=True)
+    engine = Engine.open(args.model, max_ctx=args.ctx, profile=args.profile, usage=args.usage, progress=True,
+                         prefill_chunk=args.prefill_chunk)
     prompt = _prompt_ids(args, engine)
     if not prompt:
         raise Jds41Error("the prompt is empty")

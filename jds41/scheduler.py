@@ -237,6 +237,9 @@ class Scheduler:
                 self._slots[i] = _Slot(handle=handle, limit=min(req.max_tokens, self.engine.max_ctx - len(req.prompt)),
                                        rng=np.random.default_rng(req.sampling.seed), t_submit=t_submit, t_admit=now,
                                        session=self.engine.session())
+                # prefix cache (issue #10): resume from the longest cached prefix, leaving >= 1 token to compute
+                self._slots[i].fed = handle.cached_tokens = self._slots[i].session.restore_prefix(
+                    req.prompt, len(req.prompt) - 1)
                 self.stats.queue_s.append(now - t_submit)
                 self._update_gauges()
 
@@ -263,6 +266,7 @@ class Scheduler:
                 log.exception("prefill failed for %s", s.handle.id)
                 self._fail(i, f"prefill failed: {e}")
                 continue
+            s.session.save_prefix(logits)  # prefix cache (issue #10): a later turn resumes from this prompt
             s.history = s.session.tokens[-self._history_len:] if self._history_len else []
             s.session = None  # its state now lives in the slot; drop the copy
             self.stats.prompt_tokens_total += len(prompt)

@@ -35,3 +35,6 @@ class ServeOptions:
     ping_s: float = 15.0  # SSE comment interval while a request waits (clients and proxies time out idle streams)
     load_delay_s: float = 0.0  # test hook: hold the load this long so the loading state can be observed
     warmup: bool = True  # compile the model's programs before /health turns 200
+    prefill_chunk: int = 4096  # tokens per layer-major prefill group (jds41/prefill.py); 0 = token-major only
+    prefix_cache_bytes: int = 0  # host-memory budget of the prefix cache (jds41/prefix_cache.py); 0 = off
+    prefix_cache_dir: str | None = None  # keep prefix snapshots here too, across restarts

@@ -38,6 +38,11 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
     ap.add_argument("--ctx", type=int, help="context size per slot (default min(model context, 8192))")
     ap.add_argument("--slots", type=int, default=4, help="requests decoded together (default 4)")
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
+    ap.add_argument("--prefill-chunk", type=int, default=4096,
+                    help="prompt tokens per layer-major prefill group (default 4096; 0 = token-major only)")
+    ap.add_argument("--prefix-cache-bytes", type=int, default=0,
+                    help="host memory for prompt-prefix snapshots, in bytes (default 0 = no prefix cache)")
+    ap.add_argument("--prefix-cache-dir", help="also keep prefix snapshots in this directory (survives restarts)")
     ap.add_argument("--load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -51,13 +56,16 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
         ap.error(f"model file not found: {args.model}")
     if not 0 <= args.port <= 65535:
         ap.error(f"--port {args.port}: expected 0..65535")
-    for name, low in (("ctx", 2), ("slots", 1), ("max_queue", 0)):
+    if args.prefix_cache_dir is not None and args.prefix_cache_bytes <= 0:
+        ap.error("--prefix-cache-dir needs --prefix-cache-bytes > 0 (the cache's byte budget)")
+    for name, low in (("ctx", 2), ("slots", 1), ("max_queue", 0), ("prefill_chunk", 0), ("prefix_cache_bytes", 0)):
         value = getattr(args, name)
         if value is not None and value < low:
             ap.error(f"--{name.replace('_', '-')} {value}: expected an integer >= {low}")
     return args.model, ServeOptions(host=args.host, port=args.port, api_key=args.api_key or None, ctx=args.ctx,
                                     slots=args.slots, max_queue=args.max_queue, profile=args.profile,
-                                    draft=args.draft, load_delay_s=args.load_delay)
+                                    draft=args.draft, load_delay_s=args.load_delay, prefill_chunk=args.prefill_chunk,
+                                    prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

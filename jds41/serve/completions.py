@@ -118,7 +118,7 @@ class Generation:
     def usage(self) -> dict:
         n = self.asm.n_tokens if self.completion_tokens is None else self.completion_tokens
         return {"prompt_tokens": self.n_prompt, "completion_tokens": n, "total_tokens": self.n_prompt + n,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": getattr(self.handle, "cached_tokens", 0)}}
 
 
 def _check_prompt(srv, prompt: list[int], param: str) -> None:

@@ -115,7 +115,9 @@ class ModelLoader:
         from jds41.engine import Engine
         from jds41.scheduler import Scheduler
 
-        engine = Engine.open(self.path, max_ctx=self.options.ctx)
+        o = self.options
+        engine = Engine.open(self.path, max_ctx=o.ctx, prefill_chunk=o.prefill_chunk,
+                             prefix_cache_bytes=o.prefix_cache_bytes, prefix_cache_dir=o.prefix_cache_dir)
         scheduler = Scheduler(engine, n_slots=self.options.slots, max_queue=self.options.max_queue)
         if self.options.warmup:
             self.phase = "compiling"  # every program a request runs, so the first client does not wait for XLA

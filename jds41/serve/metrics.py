@@ -7,9 +7,13 @@ The other latency histograms take the scheduler's own observations (submit to fi
 in the queue), drained at each scrape; gauges are read live from the scheduler. Each app has its own registry: two
 servers in one process never share counts.
 
-Placeholders, exported at 0 so dashboards and alerts can be built now: prefix cache, speculative decoding and
-the tier metrics (expert lookups and hits per tier, SSD bytes, Engram rows, prefetch, router lean swaps) until the
-prefix cache, drafts and the tier planner land and feed them.
+Prefix cache (issue #10): `prefix_cache_queries` counts prompt tokens looked up (vLLM's meaning); unlike vLLM,
+`prefix_cache_hits` / `_misses` count requests and `prefix_cache_hit_tokens` the tokens restored; `_evictions`
+and the `prefix_cache_bytes` gauge follow the byte budget. All 0 while the cache is off (--prefix-cache-bytes 0).
+
+Placeholders, exported at 0 so dashboards and alerts can be built now: speculative decoding and the tier metrics
+(expert lookups and hits per tier, SSD bytes, Engram rows, prefetch, router lean swaps) until drafts and the tier
+planner land and feed them.
 """
 
 from __future__ import annotations
@@ -121,9 +125,8 @@ class ServerMetrics:
         for name, h in self.hist.items():
             yield h.family(P + name, HELP[name], self.model_name)
         # Placeholders (module docstring): the features that feed them have not landed.
-        for name, doc in (("prefix_cache_queries", "Prefix cache queries, in tokens."),
-                          ("prefix_cache_hits", "Prefix cache hits, in tokens."),
-                          ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+        yield from self._prefix_cache()
+        for name, doc in (("spec_decode_num_draft_tokens", "Draft tokens proposed."),
                           ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
                           ("ssd_read_bytes", "Bytes read from the SSD tier."),
                           ("engram_rows_read", "Engram rows read on the host."),
@@ -137,6 +140,28 @@ class ServerMetrics:
             for tier in TIERS:
                 fam.add_metric([*m, tier], 0)
             yield fam
+
+
+    def _prefix_cache(self):
+        """Prefix cache counters (jds41/prefix_cache.py); zeros when the cache is off or the model not loaded."""
+        engine = self.loader.engine
+        cache = getattr(engine, "prefix_cache", None)
+        st = cache.stats if cache is not None else None
+        m = [self.model_name]
+        for name, doc, value in (
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (vLLM's meaning).",
+                 st and st.query_tokens),
+                ("prefix_cache_hits", "Requests that resumed from a cached prefix.", st and st.hits),
+                ("prefix_cache_misses", "Requests that found no cached prefix.", st and st.misses),
+                ("prefix_cache_hit_tokens", "Prompt tokens restored from the prefix cache.", st and st.hit_tokens),
+                ("prefix_cache_evictions", "Snapshots evicted for the byte budget.", st and st.evictions)):
+            fam = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            fam.add_metric(m, value or 0)
+            yield fam
+        fam = GaugeMetricFamily(P + "prefix_cache_bytes", "Host memory held by prefix snapshots.",
+                                labels=["model_name"])
+        fam.add_metric(m, cache.nbytes if cache is not None else 0)
+        yield fam
 
 
 class RequestTrace:

@@ -1,0 +1,200 @@
+"""Prefill speed of the layer-major chunked prefill (issue #10, item 2), and time to first token of a later agent
+turn with and without the prefix cache (item 4).
+
+    python experiments/bench_prefill.py MODEL.gguf [--lengths 4096,20480,55296] [--profiles all-hbm,lucebox,h200]
+        [--chunk 4096] [--turn 20000,200] [--out FILE.jsonl]
+
+For each profile (all-hbm = every weight resident, no tier machinery) and prompt length: one warm-up feed that
+compiles every piece size the length uses (jds41.prefill.plan_pieces), then one timed feed of a fresh random
+prompt. Each run prints one JSON line (and appends it to --out, default $OUT/bench_prefill.jsonl when $OUT is set):
+- tok_s: prompt tokens / wall seconds of Session.feed (compilation excluded);
+- bytes per prompt token moved into the GPU by the layer-major groups, per link: host (pinned host -> device) and
+  ssd (the SSD experts each group asked for; slot-cache misses are `ssd_read` from the store's own counter),
+  next to what the token-major scan would move for the same routing (from the routing trace, prefill.moved_bytes);
+- hbm bytes per token: the per-token arithmetic reads every dense weight and the token's K experts per layer (the
+  layer-major pass keeps decode's per-token matvecs, which is what makes it bit-identical), so HBM traffic per
+  token is that of a decode step;
+- roofline (DESIGN.md §8): tok/s no faster than 1 / max(bytes / bandwidth) over HBM 4.4 TB/s, PCIe 48 GB/s and
+  SSD 1.9 GB/s (DESIGN.md §7), no slower than 1 / sum; and measured / roofline.
+The agent turn (--turn PREFIX,NEW): a PREFIX-token conversation is read and snapshotted (prompt end); then
+PREFIX + NEW tokens are fed in a fresh session, once resuming from the prefix cache and once re-reading
+everything; TTFT is the wall time to the first token's logits.
+
+CPU runs check the code path only (tests/test_bench_prefill.py): their timings are not speed figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jds41 import prefill as PF
+from jds41.engine import Engine
+from jds41.tiers.stores import ExpertLayout
+
+BANDWIDTH = {"hbm": 4.4e12, "host": 48e9, "ssd": 1.9e9}  # bytes/s, DESIGN.md §7
+# llama.cpp prefill on the 8-layer V4-Flash shape, DESIGN.md §7 (pp4096): experts in host memory / all on the GPU
+LLAMACPP_8L = {"host_experts_tok_s": 158, "resident_tok_s": 5641}
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except OSError:
+        return ""
+
+
+def hbm_bytes_per_token(engine: Engine) -> int:
+    """Bytes one token's arithmetic reads: every non-expert weight (the embedding: one row; Engram tables live on
+    the host), plus K experts per routed layer."""
+    g, cfg = engine.gguf, engine.cfg
+    dense = 0
+    for name, t in g.tensors.items():
+        if "_exps." in name or name.endswith("engram_embd.weight"):  # experts counted below; tables on the host
+            continue
+        dense += t.row_bytes if name.startswith("token_embd") else t.n_bytes
+    layout = ExpertLayout.from_model(g)
+    return dense + sum(cfg.n_experts_used * layout.expert_nbytes(layer) for layer in layout.layers)
+
+
+def roofline(per_token: dict) -> dict:
+    times = {k: per_token.get(k, 0) / bw for k, bw in BANDWIDTH.items()}
+    worst, total = max(times.values()), sum(times.values())
+    return {"tok_s_overlapped": round(1 / worst, 1) if worst else None,
+            "tok_s_serial": round(1 / total, 1) if total else None,
+            "bound_by": max(times, key=times.get)}
+
+
+def _traced(session) -> list:
+    """Collect the routing trace of every model call of `session` (only recorded under a tier profile)."""
+    traces = []
+    record = session._record
+
+    def keep(routing):
+        if routing:
+            traces.append(np.asarray(routing[0]["experts"]))
+        record(routing)
+
+    session._record = keep
+    return traces
+
+
+def warm_up(engine: Engine, n: int, rng) -> float:
+    """Compile every program a feed of n tokens runs (each distinct piece once, then the remainder): seconds."""
+    pieces, rest = PF.plan_pieces(n, engine.prefill_chunk)
+    t0 = time.perf_counter()
+    engine.session().feed(rng.integers(8, engine.vocab_size, sum(set(pieces)) + rest).tolist())
+    return time.perf_counter() - t0
+
+
+def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    pieces, rest = PF.plan_pieces(n, chunk)
+    compile_s = warm_up(engine, n, rng)
+    tiers = engine.tiers
+    ssd = tiers.stores.ssd if tiers is not None else None
+    ssd_before = ssd.stats.bytes if ssd is not None else 0
+    session = engine.session()
+    traces = _traced(session)
+    prompt = rng.integers(8, engine.vocab_size, n).tolist()
+    t0 = time.perf_counter()
+    session.feed(prompt)
+    seconds = time.perf_counter() - t0
+    moved = {"host": 0, "ssd": 0, "host_token_major": 0, "ssd_token_major": 0}
+    if tiers is not None:
+        for i, experts in enumerate(traces):
+            m = PF.moved_bytes(tiers, experts)
+            layer_major = i < len(pieces)  # calls run the pieces first, then the token-major remainder
+            for k in ("host", "ssd"):
+                moved[k] += m[k] if layer_major else m[k + "_token_major"]
+                moved[k + "_token_major"] += m[k + "_token_major"]
+    per_token = {"hbm": hbm_bytes_per_token(engine), "host": moved["host"] / n, "ssd": moved["ssd"] / n}
+    roof = roofline(per_token)
+    tok_s = n / seconds
+    return {"kind": "prefill", "profile": profile, "prompt_tokens": n, "chunk": chunk, "pieces": pieces,
+            "token_major_rest": rest, "seconds": round(seconds, 4), "tok_s": round(tok_s, 2),
+            "compile_s": round(compile_s, 2),
+            "bytes_per_token": {k: round(v) for k, v in per_token.items()},
+            "token_major_bytes_per_token": {k: round(moved[k + "_token_major"] / n) for k in ("host", "ssd")},
+            "ssd_read_bytes_per_token": round(((ssd.stats.bytes if ssd else 0) - ssd_before) / n),
+            "roofline": roof,
+            "of_roofline": round(tok_s / roof["tok_s_overlapped"], 4) if roof["tok_s_overlapped"] else None,
+            "vs_llamacpp_8l_host_experts": round(tok_s / LLAMACPP_8L["host_experts_tok_s"], 3),
+            "tier_stats": tiers.stats() if tiers is not None else None}
+
+
+def turn_run(engine: Engine, profile: str, prefix: int, new: int, seed: int) -> dict:
+    """TTFT of a later agent turn: resume from the cached conversation vs re-read all of it."""
+    rng = np.random.default_rng(seed)
+    conversation = rng.integers(8, engine.vocab_size, prefix).tolist()
+    turn = conversation + rng.integers(8, engine.vocab_size, new).tolist()
+    cache = engine.prefix_cache
+    first = engine.session()
+    first.save_prefix(first.feed_prompt(conversation))  # turn 1 read (and snapshotted at its end)
+    warm_up(engine, new, rng)  # the pieces of the new tokens after a resume
+    warm_up(engine, prefix + new, rng)  # and of the full re-read
+    t0 = time.perf_counter()
+    resumed = engine.session()
+    resumed.feed_prompt(turn)
+    cached_s = time.perf_counter() - t0
+    engine.prefix_cache = None
+    t0 = time.perf_counter()
+    engine.session().feed(turn)
+    full_s = time.perf_counter() - t0
+    engine.prefix_cache = cache
+    return {"kind": "agent_turn", "profile": profile, "prefix_tokens": prefix, "new_tokens": new,
+            "cached_tokens": resumed.cached_tokens, "ttft_cached_s": round(cached_s, 4),
+            "ttft_full_s": round(full_s, 4), "speedup": round(full_s / cached_s, 2),
+            "snapshot_bytes": cache.nbytes, "prefix_cache": vars(cache.stats)}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--lengths", default="4096,20480,55296", help="prompt lengths (comma separated)")
+    ap.add_argument("--profiles", default="all-hbm,lucebox,h200")
+    ap.add_argument("--chunk", type=int, default=4096, help="layer-major group size")
+    ap.add_argument("--turn", default="20000,200", help="PREFIX,NEW of the agent-turn TTFT ('' to skip)")
+    ap.add_argument("--ctx", type=int, default=None, help="context (default: the longest prompt + 256)")
+    ap.add_argument("--cache-bytes", type=int, default=32 << 30, help="prefix cache budget for the turn")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "bench_prefill.jsonl")
+                    if os.environ.get("OUT") else None)
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",") if x]
+    turn = [int(x) for x in args.turn.split(",")] if args.turn else None
+    ctx = args.ctx or max(lengths + ([sum(turn)] if turn else [])) + 256
+    import jax
+
+    meta = {"model": os.path.basename(args.model), "commit": _commit(), "device": str(jax.devices()[0]),
+            "host": platform.node(), "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])])}
+    results = []
+    for profile in args.profiles.split(","):
+        engine = Engine.open(args.model, max_ctx=ctx, profile=None if profile == "all-hbm" else profile,
+                             prefill_chunk=args.chunk, prefix_cache_bytes=args.cache_bytes)
+        runs = [prefill_run(engine, profile, n, args.chunk, args.seed + i) for i, n in enumerate(lengths)]
+        if turn:
+            runs.append(turn_run(engine, profile, turn[0], turn[1], args.seed + 100))
+        for r in runs:
+            r = {**r, **meta, "max_ctx": ctx, "load_s": round(engine.load_seconds, 2)}
+            line = json.dumps(r)
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(line + "\n")
+            results.append(r)
+        if engine.tiers is not None:
+            engine.tiers.close()
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Layer-major chunked prefill: a group of prompt tokens runs layer by layer, so each layer's experts move once.
+
+`model.prefill` scans the per-token `step` over a chunk (token-major: every layer for token t, then token t+1).
+With experts on the SSD or in pinned host memory that moves the selected experts' rows once per token per layer.
+`prefill_layer_major` reorders the same arithmetic: for layer l it runs the attention sublayer over all T tokens
+of the group in order (a lax.scan carrying layer l's decode state: attention is sequential by nature), then
+routes all T tokens, takes the UNION of their experts, brings each needed expert's rows from its tier once for the
+whole group (one gather from the tier-0 stack, one transfer from the pinned-host stack, one host call for the SSD
+experts), and computes each token's expert outputs from that union stack. Values that cross layers per token
+become [T, ...] arrays handed from one layer pass to the next: the residual stream, the V4.1 `pre` lag, the index
+source's top-k and the candidate blocks.
+
+Bit-identical to `model.prefill` by construction, not by tolerance: every per-token value goes through the same
+functions `step` uses (`model._attention_block`, `_sublayer_mix`, `route`, `routed_experts`, `shared_expert`,
+the mHC collapse/expand), each run once per token inside a scan whose body sees the decode shapes; those layer
+functions are fusion islands (layers/rowwise.py), so their rounding does not depend on the program around them.
+Two things differ and neither changes a value:
+- a layer whose kv source is an EARLIER layer reads that source's compressed rows after the whole group, not after
+  token t. Rows are written once, when their block completes, and a query only sees rows with j < (p+1) // ratio
+  (compressor.visible_mask; the indexer top-k masks the same way), so rows from later tokens are masked out: a
+  masked key has weight exactly 0 in the softmax and adds exactly 0 to the output sums.
+- a token's experts are gathered from the union stack by their position in it instead of from a [K] stack by
+  0..K-1: the same raw bytes reach the same per-expert arithmetic.
+tests/test_prefill_layer_major.py checks logits and state bit for bit against `model.prefill` for both
+architectures, with and without a tier profile.
+
+Look-ahead (plan.lookahead): the step's per-token guess of layer l+1's experts is kept (it is part of the routing
+trace); instead of one prefetch call per token per layer, layer l makes ONE prefetch call with the guesses of all
+T tokens for layer l+1, before its own SSD fetch, so those reads overlap layer l's work.
+
+Static plan: the chunk length is static (shapes), the layer loop is unrolled in Python at trace time, and the
+function is jitted, so nothing is dispatched per layer at run time. The engine runs full chunks of
+`prefill_chunk` tokens and the rest in power-of-two pieces down to `LAYER_MAJOR_MIN` (`plan_pieces`), so at most
+1 + log2(chunk / LAYER_MAJOR_MIN) programs compile; a remainder below that goes through the token-major path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from jds41 import model as M
+from jds41.layers.engram import engram_combine
+from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_onehot_pre
+from jds41.layers.moe import routed_experts, shared_expert
+from jds41.layers.norm import rms_norm
+from jds41.layers.router import route
+from jds41.layers.rowwise import island
+from jds41.quant import QTensor, qmatvec
+from jds41.tiers.experts import FAILURES, STACKS, TieredLayer, host_rows, prefetch_experts
+
+LAYER_MAJOR_MIN = 64  # the smallest layer-major piece; shorter remainders run token-major (model.prefill/step)
+
+
+def plan_pieces(n_tokens: int, chunk: int, min_piece: int | None = None) -> tuple[list[int], int]:
+    """(layer-major piece lengths, token-major remainder) for `n_tokens`: full chunks, then the binary
+    decomposition of the rest into powers of two >= min(min_piece, chunk) (default LAYER_MAJOR_MIN, read at call
+    time). chunk <= 0: all token-major."""
+    if chunk <= 0:
+        return [], n_tokens
+    pieces = [chunk] * (n_tokens // chunk)
+    rest = n_tokens % chunk
+    floor = min(LAYER_MAJOR_MIN if min_piece is None else min_piece, chunk)
+    b = 1 << max(chunk - 1, 0).bit_length() - 1 if chunk > 1 else 1  # largest power of two below chunk
+    while b >= floor and rest:
+        if rest >= b:
+            pieces.append(b)
+            rest -= b
+        b //= 2
+    return pieces, rest
+
+
+# ---- the union of a group's experts, brought from their tiers once ---------------------------------------------
+
+def _ssd_union_fetch(tl: TieredLayer, shapes: tuple):
+    """Host side of the one SSD call of a layer: rows of every flagged expert of the union, read through the
+    source in batches no larger than its slot cache (a layer's union may hold more experts than there are
+    slots; each batch is copied out while pinned, so slots are free again for the next)."""
+    def fetch(idx_U, mask_U):
+        idx, at = np.asarray(idx_U), np.flatnonzero(np.asarray(mask_U, bool))
+        out = [np.zeros(s.shape, s.dtype) for s in shapes]
+        slots = getattr(getattr(tl.source, "cache", None), "n_slots", None) or max(len(at), 1)
+        try:
+            for i in range(0, len(at), slots):
+                sub = at[i:i + slots]
+                rows = tl.source.fetch(tl.layer, idx[sub], np.ones(len(sub), bool))
+                for o, r, s in zip(out, rows, shapes):
+                    o[sub] = np.asarray(r, s.dtype).reshape((len(sub), *s.shape[1:]))
+        except Exception as e:
+            FAILURES.append(e)  # the engine re-raises the read error instead of XLA's callback failure
+            raise
+        return tuple(out)
+
+    return fetch
+
+
+def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict[str, QTensor]:
+    """Raw rows of the union's experts, [U, out, in] per stack, each from the tier that owns it: one gather from
+    the tier-0 stack, one move from the pinned-host stack (tiers/experts.host_rows: one device_put per expert, of
+    the whole stack when the union could cover it, else of each union entry), one host call for the SSD experts
+    (made only when the union has one). Every move depends on the layer's routing, so layers move in turn."""
+    U = union_U.shape[0]
+    tier_U = jnp.where(valid_U, tl.tier_E[union_U], -1)
+    local_U = tl.local_E[union_U]
+    on_ssd = tier_U == 2
+    ssd = None
+    if tl.source is not None:
+        shapes = tuple(jax.ShapeDtypeStruct((U, *tl.hbm[n].data.shape[1:]), tl.hbm[n].data.dtype) for n in STACKS)
+        fetch = _ssd_union_fetch(tl, shapes)
+        ssd = jax.lax.cond(jnp.any(on_ssd), lambda: io_callback(fetch, shapes, union_U, on_ssd),
+                           lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in shapes))
+    stacks = {}
+    for i, n in enumerate(STACKS):
+        rows = jnp.take(tl.hbm[n].data, jnp.where(tier_U == 0, local_U, 0), axis=0)
+        if tl.has_host:
+            host_local = jnp.where(tier_U == 1, local_U, 0)
+            n_host = tl.host[n].data.shape[0]
+            if U >= n_host:  # the union may need every host expert: move the stack once, expert by expert
+                # The barrier ties the move to this layer's routing: without it XLA may start every layer's
+                # transfer at once (they depend on no data), holding all layers' host stacks on the device.
+                every, _ = island((jnp.arange(n_host, dtype=jnp.int32), union_U))
+                host = jnp.take(host_rows(tl.host[n], every), host_local, axis=0)
+            else:
+                host = host_rows(tl.host[n], host_local)
+            rows = jnp.where((tier_U == 1)[:, None, None], host, rows)
+        if ssd is not None:
+            rows = jnp.where(on_ssd[:, None, None], ssd[i], rows)
+        ref = tl.hbm[n]
+        stacks[n] = QTensor(rows, ref.qtype, (U, *ref.shape[1:]), ref.act_round)
+    return stacks
+
+
+def expert_union(idx_TK: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(union [U] sorted expert ids clamped to a valid id, valid [U], position of each selection in it [T, K]);
+    U = min(T*K, E) is the static bound, unused entries are padding (valid False)."""
+    U = min(idx_TK.size, n_experts)
+    union = jnp.unique(idx_TK.reshape(-1), size=U, fill_value=n_experts)  # padding sorts after every real id
+    pos_TK = jnp.searchsorted(union, idx_TK).astype(jnp.int32)
+    return jnp.minimum(union, n_experts - 1), union < n_experts, pos_TK
+
+
+# ---- one layer over the group -------------------------------------------------------------------------------------
+
+def _guess_next(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, h_D) -> jax.Array:
+    """model._predict_next without its per-token prefetch call (made once per layer here)."""
+    k, nxt = plan.cfg.n_experts_used, lp.index + 1
+    if not plan.lookahead or nxt >= plan.cfg.n_layers or plan.layers[nxt].hash_layer:
+        return jnp.full((k,), -1, jnp.int32)
+    w_next = params["blocks"][nxt]
+    return route(h_D, w_next["ffn_gate_inp"], w_next["exp_probs_b"], plan.cfg).idx_K
+
+
+def _route(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_D, token):
+    """model._ffn_block's routing, unchanged: (idx [K], weight [K], swaps)."""
+    cfg = plan.cfg
+    if lp.hash_layer:
+        r = route(h_D, w["ffn_gate_inp"], None, cfg, hash_ids_K=w["ffn_gate_tid2eid"][token])
+    else:
+        lean = None
+        if plan.lean_margin is not None and "routed" in w:
+            lean = (w["routed"].tier_E, plan.lean_margin)
+        r = route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg, lean=lean)
+    return r.idx_K, r.weight_K, r.swaps
+
+
+def _attention_pass(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: list, xs: dict, shared_in: dict):
+    """Layer lp over the T tokens in order: Engram, attention sublayer, and the FFN's input and routing.
+    Returns (layer state after the group, per-token outputs [T, ...])."""
+    cfg = plan.cfg
+    w = params["blocks"][lp.index]
+    source_st = layers[lp.kv_source] if 0 <= lp.kv_source != lp.index else None
+
+    def body(st, x_in):
+        x, pre_prev, pos, token = x_in["x"], x_in["pre_prev"], x_in["pos"], x_in["token"]
+        if lp.engram_slot >= 0:
+            x = engram_combine(x, x_in["engram"], w["engram_wkv"], w["engram_q"], w["engram_k"], cfg.rms_eps)
+        st_all = [None] * cfg.n_layers
+        st_all[lp.index] = st
+        new_st = list(st_all)
+        if source_st is not None:
+            new_st[lp.kv_source] = source_st  # read only where visible: rows of later tokens are masked
+        shared = {_step_key(k): v for k, v in x_in["shared"].items()}
+        pre, post, comb = M._sublayer_mix(cfg, w, "attn", x)
+        h = rms_norm(hc_collapse(x, pre_prev if cfg.hc_lag else pre), w["attn_norm"], cfg.rms_eps)
+        x = hc_expand(x, M._attention_block(plan, lp, w, st_all, new_st, h, pos, shared), post, comb)
+        pre_f, post_f, comb_f = M._sublayer_mix(cfg, w, "ffn", x)
+        h_f = rms_norm(hc_collapse(x, pre if cfg.hc_lag else pre_f), w["ffn_norm"], cfg.rms_eps)
+        idx, weight, swaps = _route(plan, lp, w, h_f, token)
+        out = {"x": x, "pre": pre_f, "post": post_f, "comb": comb_f, "h": h_f, "idx": idx, "weight": weight,
+               "swaps": swaps, "guess": _guess_next(plan, lp, params, h_f),
+               "shared": {_tree_key(k): v for k, v in shared.items() if _tree_key(k) not in x_in["shared"]}}
+        return new_st[lp.index], out
+
+    xs = {**xs, "shared": shared_in}
+    return jax.lax.scan(body, layers[lp.index], xs)
+
+
+def _ffn_pass(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict) -> jax.Array:
+    """Routed + shared experts and the FFN's mHC expand for the T tokens -> new stream [T, H, D]."""
+    cfg = plan.cfg
+    limit = cfg.swiglu_limit[lp.index]
+    if "routed" in w:
+        union, valid, pos_TK = expert_union(a["idx"], w["routed"].tier_E.shape[0])
+        g = union_stack(w["routed"], union, valid)
+        stacks, idx_TK = (g["gate"], g["up"], g["down"]), pos_TK
+    else:
+        stacks, idx_TK = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), a["idx"]
+
+    def body(_, r):
+        y = routed_experts(r["h"], *stacks, r["idx"], r["weight"], limit)
+        if cfg.n_shared_experts:
+            y = y + shared_expert(r["h"], w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"],
+                                  cfg.swiglu_limit_shexp[lp.index])
+        return None, hc_expand(r["x"], y, r["post"], r["comb"])
+
+    rows = {"h": a["h"], "idx": idx_TK, "weight": a["weight"], "x": a["x"], "post": a["post"], "comb": a["comb"]}
+    return jax.lax.scan(body, None, rows)[1]
+
+
+def _tree_key(step_key) -> str:
+    """model._attention_block's `shared` keys ("candidates", ("topk", layer)) as pytree dict keys (all str)."""
+    return step_key if isinstance(step_key, str) else f"topk{step_key[1]}"
+
+
+def _step_key(tree_key: str):
+    return ("topk", int(tree_key[4:])) if tree_key.startswith("topk") else tree_key
+
+
+def _shared_inputs(lp: M.LayerPlan, produced: dict) -> dict:
+    """The per-token values this layer's attention reads from earlier layers ([T, ...] each)."""
+    out = {}
+    if lp.ratio and lp.index_source >= 0 and lp.index_source != lp.index:
+        out[f"topk{lp.index_source}"] = produced[f"topk{lp.index_source}"]
+    if lp.uses_candidates:
+        out["candidates"] = produced["candidates"]
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
+def prefill_layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
+                        trace_routing: bool = False):
+    """Same contract as `model.prefill`: (logits [T, V], state[, routing with a leading T axis]), bit-identical."""
+    cfg = plan.cfg
+    T = tokens.shape[0]
+    pos_T = state["pos"] + jnp.arange(T, dtype=jnp.int32)
+    x = jax.lax.map(lambda t: jnp.broadcast_to(M.embed(params["token_embd"], t), (cfg.hc_mult, cfg.dim)), tokens)
+    pre_prev = jnp.broadcast_to(hc_onehot_pre(cfg.hc_mult), (T, cfg.hc_mult))
+    layers = list(state["layers"])
+    produced: dict = {}  # per-token values that later layers read (index top-k, candidate blocks)
+    trace = {"experts": [], "swaps": [], "predicted_next": []}
+    for lp in plan.layers:
+        w = params["blocks"][lp.index]
+        xs = {"x": x, "pre_prev": pre_prev, "pos": pos_T, "token": tokens}
+        if lp.engram_slot >= 0:
+            xs["engram"] = engram_rows[:, lp.engram_slot]
+        layers[lp.index], a = _attention_pass(plan, lp, params, layers, xs, _shared_inputs(lp, produced))
+        produced.update(a["shared"])
+        nxt = lp.index + 1
+        if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
+            prefetch_experts(params["blocks"][nxt]["routed"], a["guess"].reshape(-1))
+        x, pre_prev = _ffn_pass(plan, lp, w, a), a["pre"]
+        trace["experts"].append(a["idx"])
+        trace["swaps"].append(a["swaps"])
+        trace["predicted_next"].append(a["guess"])
+
+    def head(r):
+        if cfg.hc_lag:
+            y = hc_collapse(r["x"], r["pre"])
+        else:
+            y = hc_head(r["x"], params["output_hc_fn"], params["output_hc_scale"], params["output_hc_base"],
+                        cfg.hc_eps, cfg.rms_eps)
+        return qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
+
+    logits = jax.lax.map(head, {"x": x, "pre": pre_prev})
+    new_state = {"pos": state["pos"] + T, "layers": layers}
+    if trace_routing:
+        return logits, new_state, {k: jnp.stack(v, axis=1) for k, v in trace.items()}
+    return logits, new_state
+
+
+def moved_bytes(tiers, experts_TLK: np.ndarray) -> dict:
+    """Expert bytes one layer-major group of these selections moves into the device, per tier, next to what the
+    token-major scan moves for the same tokens (host: K rows per token per layer where the layer has a host
+    expert; SSD: the distinct SSD experts of each token). From the routing trace, on the host."""
+    sel = np.asarray(experts_TLK)
+    T = sel.shape[0]
+    out = {"host": 0, "ssd": 0, "host_token_major": 0, "ssd_token_major": 0}
+    for layer in range(sel.shape[1]):
+        tier_E = tiers.tier_LE[layer]
+        nbytes = int(tiers.expert_bytes[layer])
+        union = np.unique(sel[:, layer])
+        n_host_stack = int((tier_E == 1).sum())
+        if n_host_stack:
+            U = min(sel[:, layer].size, tier_E.shape[0])
+            out["host"] += (max(n_host_stack, 2) if U >= max(n_host_stack, 2) else U) * nbytes
+            out["host_token_major"] += sel[:, layer].size * nbytes
+        out["ssd"] += int((tier_E[union] == 2).sum()) * nbytes
+        out["ssd_token_major"] += sum(int((tier_E[np.unique(sel[t, layer])] == 2).sum()) for t in range(T)) * nbytes
+    return out

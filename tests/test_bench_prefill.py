@@ -1,0 +1,49 @@
+"""experiments/bench_prefill.py runs on CPU with the shipped tiny model and short prompts (the lead runs it on the
+GPU box): one JSON line per run, written to --out as printed, with byte counts and rooflines that agree with their
+definitions. Timings here are not speed figures.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from serve_harness import REPO
+
+sys.path.insert(0, str(REPO / "experiments"))
+import bench_prefill as B  # noqa: E402
+
+MODEL = str(REPO / "checkpoints" / "tiny-deepseek41-q8.gguf")
+
+
+def _check_roofline(run):
+    per = run["bytes_per_token"]
+    worst = max(per[k] / bw for k, bw in B.BANDWIDTH.items())
+    assert run["roofline"]["tok_s_overlapped"] == pytest.approx(1 / worst, rel=1e-3)
+    assert run["of_roofline"] == pytest.approx(run["tok_s"] / run["roofline"]["tok_s_overlapped"], rel=1e-2, abs=1e-4)
+
+
+def test_bench_all_hbm_lines_and_agent_turn(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    runs = B.main([MODEL, "--lengths", "40", "--profiles", "all-hbm", "--chunk", "16", "--turn", "24,5",
+                   "--out", str(out)])
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert printed == runs == [json.loads(line) for line in out.read_text().splitlines()]
+    prefill, turn = runs
+    assert prefill["kind"] == "prefill" and prefill["pieces"] == [16, 16] and prefill["token_major_rest"] == 8
+    assert prefill["bytes_per_token"]["host"] == prefill["bytes_per_token"]["ssd"] == 0  # all resident
+    assert prefill["bytes_per_token"]["hbm"] > 0 and prefill["tok_s"] > 0
+    _check_roofline(prefill)
+    assert turn["kind"] == "agent_turn" and turn["cached_tokens"] == 24 and turn["prefix_cache"]["hits"] == 1
+    assert turn["ttft_cached_s"] > 0 and turn["ttft_full_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_tiered_profile_moves_fewer_bytes_layer_major():
+    (run,) = B.main([MODEL, "--lengths", "48", "--profiles", "lucebox", "--chunk", "16", "--turn", ""])
+    per, token_major = run["bytes_per_token"], run["token_major_bytes_per_token"]
+    assert 0 < per["host"] < token_major["host"]  # once per 16-token group instead of once per token
+    assert 0 < per["ssd"] <= token_major["ssd"]
+    assert run["tier_stats"]["tokens"] >= 48
+    _check_roofline(run)
