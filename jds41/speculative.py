@@ -167,8 +167,15 @@ class DSparkDrafter:
         self.state = self._dspark.init_draft_state(self.plan)
 
     def observe(self, features: jax.Array, pos0: int, count: int) -> None:
-        self.state = self._dspark.inject(self.plan, self.params, self.state, features, jnp.int32(pos0),
-                                         jnp.int32(count))
+        """Inject `count` committed positions from pos0; in pieces of block_size + 1 rows (a verify block's size),
+        so one compiled program serves prompts, verify steps and single steps."""
+        n = self.block_size + 1
+        for i in range(0, count, n):
+            piece = features[i:i + n]
+            if piece.shape[0] < n:
+                piece = jnp.pad(piece, ((0, n - piece.shape[0]), (0, 0), (0, 0)))
+            self.state = self._dspark.inject(self.plan, self.params, self.state, piece, jnp.int32(pos0 + i),
+                                             jnp.int32(min(n, count - i)))
 
     def propose(self, last: int, pos: int) -> list[int]:
         tokens, conf, _ = self._dspark.propose(self.plan, self.params, self.shared, self.state, jnp.int32(last),
