@@ -10,6 +10,8 @@ with a session that fed the same tokens one by one (same ring size), across comp
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -155,3 +157,25 @@ def test_temperature_is_refused(models):
     s = SpeculativeSession(engine, DSparkDrafter.open(engine, "self"))
     with pytest.raises(RequestError, match="greedy"):
         next(s.generate([1, 2, 3], 4, SamplingParams(temperature=0.7)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_cli_draft_gives_the_same_tokens(models, arch, capsys):
+    """`python -m jds41.generate MODEL --draft DRAFT --tokens ... --json` == the same command without --draft."""
+    from jds41 import generate
+
+    engine, draft_file = models[arch]
+    base = [engine.path, "--tokens", ",".join(map(str, PROMPTS[0])), "-n", "64", "--json", "--ctx", str(CTX),
+            "--ignore-eos"]
+    results = []
+    for extra in ([], ["--draft", draft_file], ["--draft", "self"]):
+        assert generate.main(base + extra) == 0
+        results.append(json.loads(capsys.readouterr().out))
+    assert len(results[0]["tokens"]) == 64 and "draft" not in results[0]
+    for r in results[1:]:
+        assert r["tokens"] == results[0]["tokens"]
+        assert r["draft"]["verify_steps"] > 0 and 0 <= r["draft"]["acceptance_rate"] <= 1
+        assert r["draft"]["tokens_per_step"] >= 1
+    assert generate.main(base + ["--draft", draft_file, "--temperature", "0.5"]) == 1
+    assert "greedy" in capsys.readouterr().err
