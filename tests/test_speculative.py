@@ -27,18 +27,27 @@ CTX = 448
 PROMPTS = ([5, 17, 99, 3, 42], [300 + i % 37 for i in range(40)])  # decode-only and prefill-chunk prompts
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """arch -> (engine of a file with draft stages, path of the matching separate draft file)."""
-    root = tmp_path_factory.mktemp("spec")
-    out = {}
-    for arch in ARCHS:
-        cfg = preset(arch, "tiny", draft_stages=2)
-        path, draft = root / f"{arch}.gguf", root / f"{arch}-draft.gguf"
+class _Models(dict):
+    """arch (or "deepseek41-shared": the V4.1 shared KV / latent index key layout) -> (engine of a file with draft
+    stages, path of the matching separate draft file), written on first use."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, key):
+        arch, _, shared = key.partition("-")
+        cfg = preset(arch, "tiny-shared" if shared else "tiny", draft_stages=2)
+        path, draft = self.root / f"{key}.gguf", self.root / f"{key}-draft.gguf"
         write_synthetic(path, cfg, quant="q8", progress=False)
         write_synthetic(draft, cfg, quant="q8", progress=False, draft_only=True)
-        out[arch] = (Engine.open(str(path), max_ctx=CTX), str(draft))
-    return out
+        self[key] = (Engine.open(str(path), max_ctx=CTX), str(draft))
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return _Models(tmp_path_factory.mktemp("spec"))
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +121,10 @@ def _leaves(state):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ("deepseek41-shared",))
 def test_state_after_partial_accept_equals_plain_decode(models, plain, arch):
-    """Keep 1..k+1 positions of each block (cycling), and compare the whole state with one-token steps."""
+    """Keep 1..k+1 positions of each block (random), and compare the whole state with one-token steps. The shared
+    layout has ratio-2 / ratio-1 compressors, whose buffers a 4-token block overwrites, and latent index keys."""
     engine, _ = models[arch]
     prompt, want = PROMPTS[1], plain(arch, 1)
     stream = list(prompt) + want
