@@ -180,3 +180,15 @@ def test_markov_term_matches_numpy(drafter):
     prev = [11] + [int(t) for t in tokens[:-1]]
     for i, t in enumerate(prev):
         np.testing.assert_allclose(np.asarray(logits[i]) - np.asarray(base[i]), head @ emb[t], rtol=1e-4, atol=1e-4)
+
+
+def test_synth_cli_writes_a_matching_draft_file(tmp_path):
+    from jds41.checkpoints import synth
+    from jds41.speculative import check_compatible
+
+    model, draft = tmp_path / "m.gguf", tmp_path / "d.gguf"
+    assert synth.main(["--arch", "deepseek4", "--size", "tiny", "--quant", "q8", "--out", str(model),
+                       "--draft-out", str(draft), "--quiet"]) == 0
+    with open_model(model) as m, open_model(draft) as d:
+        assert draft_stages(m.config) == 0 and draft_stages(d.config) == 2
+        check_compatible(m.config, d.config, str(draft))
