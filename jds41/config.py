@@ -62,12 +62,19 @@ class EngramConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DSparkConfig:
-    """DSpark drafter settings carried by the target file (MODEL.md §4); used by the draft issue."""
+    """DSpark drafter settings carried by the target file (MODEL.md §4).
+
+    The draft stages themselves are the file's `nextn_predict_layers` trailing blocks (tensors `mtp.{s}.*`,
+    schema.draft_tensors). Their MoE has its own expert pool (V4.1: 128 experts top-3, MODEL.md §4): keys
+    `{arch}.dspark.expert_count` / `.expert_used_count`, None when absent (then the stages use the target's).
+    """
 
     target_layer_ids: tuple[int, ...]
     noise_token_id: int
     block_size: int
     markov_rank: int
+    n_experts: int | None = None
+    n_experts_used: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +354,9 @@ def _build(meta: Mapping[str, Any], path: str) -> ModelConfig:
             target_layer_ids=k.int_list("dspark.target_layer_ids", hi=n_layers - 1),
             noise_token_id=k.int("dspark.noise_token_id", hi=fields["vocab_size"] - 1),
             block_size=k.int("dspark.block_size", lo=1, hi=64), markov_rank=k.int("dspark.markov_rank", lo=1),
+            n_experts=k.int("dspark.expert_count", lo=1, hi=1 << 16) if k.has("dspark.expert_count") else None,
+            n_experts_used=(k.int("dspark.expert_used_count", lo=1, hi=1 << 16)
+                            if k.has("dspark.expert_used_count") else None),
         )
     cfg = ModelConfig(**fields)
     _validate(cfg, path)
@@ -394,6 +404,10 @@ def _validate(c: ModelConfig, path: str) -> None:
         _fail(path, f"{a}.attention.output_group_count", f"{c.o_groups} does not divide {c.n_heads} heads")
     if c.n_experts_used > c.n_experts:
         _fail(path, f"{a}.expert_used_count", f"{c.n_experts_used} > expert_count {c.n_experts}")
+    if c.dspark is not None:
+        d = c.dspark
+        if (d.n_experts_used or c.n_experts_used) > (d.n_experts or c.n_experts):
+            _fail(path, f"{a}.dspark.expert_used_count", f"{d.n_experts_used} > the draft's expert count")
     for i, r in enumerate(c.compress_ratios):
         if i >= c.n_layers and r != 0:
             _fail(path, f"{a}.attention.compress_ratios", f"draft/MTP block {i} must have ratio 0, got {r}")
@@ -505,4 +519,8 @@ def _to_metadata(c: ModelConfig) -> list[tuple[str, Any, str]]:
         out += [(f"{a}.dspark.target_layer_ids", list(d.target_layer_ids), "u32[]"),
                 (f"{a}.dspark.noise_token_id", d.noise_token_id, "u32"),
                 (f"{a}.dspark.block_size", d.block_size, "u32"), (f"{a}.dspark.markov_rank", d.markov_rank, "u32")]
+        if d.n_experts is not None:
+            out.append((f"{a}.dspark.expert_count", d.n_experts, "u32"))
+        if d.n_experts_used is not None:
+            out.append((f"{a}.dspark.expert_used_count", d.n_experts_used, "u32"))
     return out

@@ -4,6 +4,10 @@ Greedy at temperature 0. Prints the text (or the ids, for a file whose tokenizer
 prints one JSON object instead (prompt ids, generated ids, text, timings); `--logits FILE.npy` saves the logits of
 every prompt position followed by one row per decode step ([n_prompt + n_generated - 1, V]: the last generated
 token is never fed back). Bad files, bad token ids and over-long prompts end with a one-line message and exit 1.
+
+`--draft DRAFT` drafts with DSpark (DRAFT = a separate draft GGUF, or `self` for the model file's own `mtp.*`
+stages) and verifies each block in one target pass: the tokens are exactly those without `--draft`; `--json`
+adds "draft" (acceptance rate, tokens per verify step). Greedy only: `--draft` with temperature > 0 is an error.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     ap.add_argument("--step-loop", action="store_true",
                     help="greedy decode one jitted step per token (the reference path) instead of one device loop")
+    ap.add_argument("--draft", default=None, help="DSpark draft: a draft GGUF, or 'self' for the model's own stages")
     return ap.parse_args(argv)
 
 
@@ -71,11 +76,20 @@ def run(args: argparse.Namespace) -> dict:
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
     logits: list | None = [] if args.logits else None
     session = engine.session()
+    if args.draft is not None:
+        from jds41.speculative import DSparkDrafter, SpeculativeSession
+
+        if args.temperature > 0:
+            raise Jds41Error("--draft supports greedy decoding only (temperature 0): speculative sampling is not "
+                             "implemented")
+        if args.logits:
+            raise Jds41Error("--draft does not record per-step logits: drop --logits or --draft")
+        session = SpeculativeSession(engine, DSparkDrafter.open(engine, args.draft))
     t0 = time.perf_counter()
     out: list[int] = []
     t_first = None
     stream = tok.stream() if tok is not None and not args.json else None
-    if sampling.temperature <= 0 and logits is None and not args.step_loop:
+    if args.draft is None and sampling.temperature <= 0 and logits is None and not args.step_loop:
         # greedy: the whole generation in one device loop (jds41/decode_loop.py), tokens identical to the step loop
         first = int(np.argmax(session.feed(prompt)))
         t_first = time.perf_counter()
@@ -102,6 +116,7 @@ def run(args: argparse.Namespace) -> dict:
                     "prompt_s": round((t_first or t_end) - t0, 3),
                     "decode_tok_s": round((len(out) - 1) / decode_s, 2) if len(out) > 1 and decode_s > 0 else None},
         "tiers": engine.tiers.stats() if engine.tiers is not None else None,
+        **({"draft": {"source": args.draft, **session.stats.to_dict()}} if args.draft is not None else {}),
     }
 
 

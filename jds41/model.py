@@ -8,7 +8,8 @@ recompiles between steps.
 
 State pytree (plain arrays, so the prefix cache can snapshot it):
   pos                           int32 scalar, the position the next token gets
-  layers[i].ring                window ring: kv [window, HD], pos [window] (-1 = empty)
+  layers[i].ring                window ring: kv [window + slack, HD], pos [window + slack] (-1 = empty); the
+                                slack (plan.ring_slack) is room for speculative rows, invisible to attention
   layers[i].cmp                 the layer's own KV compressor (compressor.py) when it has one
   layers[i].idx                 V4: the indexer's own compressor (its rows are the index keys);
                                 V4.1 kv sources: {"keys": [n_rows, ID]} built from the rows they emit
@@ -69,12 +70,16 @@ class ModelPlan:
     # Look-ahead (DESIGN.md §3): layer l predicts layer l+1's experts with layer l+1's router on its own FFN input and
     # asks the host to start reading the predicted SSD experts, so the reads overlap the rest of layer l.
     lookahead: bool = False
+    # Extra window-ring rows so a speculative verify block never evicts a row still visible after a rollback
+    # (attention.window_rows reads the same rows in the same order whatever the slack).
+    ring_slack: int = 0
 
     def n_rows(self, ratio: int) -> int:
         return -(-self.max_ctx // ratio)
 
 
-def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None, lookahead: bool = False) -> ModelPlan:
+def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None, lookahead: bool = False,
+              ring_slack: int = 0) -> ModelPlan:
     layers = []
     for i in range(cfg.n_layers):
         r = cfg.ratio(i)
@@ -95,14 +100,15 @@ def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None, 
             uses_candidates=cfg.shared_kv and cand >= 0 and i > cand and runs_indexer,
             engram_slot=cfg.engram.layer_ids.index(i) if cfg.is_engram_layer(i) else -1,
             hash_layer=cfg.is_hash_layer(i)))
-    return ModelPlan(cfg=cfg, max_ctx=max_ctx, layers=tuple(layers), lean_margin=lean_margin, lookahead=lookahead)
+    return ModelPlan(cfg=cfg, max_ctx=max_ctx, layers=tuple(layers), lean_margin=lean_margin, lookahead=lookahead,
+                     ring_slack=ring_slack)
 
 
 def init_state(plan: ModelPlan) -> dict:
     cfg = plan.cfg
     layers = []
     for lp in plan.layers:
-        st = {"ring": attention.init_ring(cfg)}
+        st = {"ring": attention.init_ring(cfg, plan.ring_slack)}
         if lp.cmp is not None:
             st["cmp"] = compressor.init_state(lp.cmp)
         if lp.idx_cmp is not None:
@@ -126,7 +132,8 @@ def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_
     st = dict(st_all[lp.index])
     q, qr = attention.query(cfg, w, h_D, pos, freqs)
     st["ring"] = attention.push_ring(st["ring"], attention.latent(cfg, w, h_D, pos, freqs), pos)
-    keys, valid = [st["ring"]["kv"]], [st["ring"]["pos"] >= 0]
+    win_kv, win_valid = attention.window_rows(st["ring"], cfg.window, pos)
+    keys, valid = [win_kv], [win_valid]
     if lp.cmp is not None:
         st["cmp"] = compressor.update(lp.cmp, st["cmp"], w, h_D, pos, freqs, cfg.rms_eps)[0]
     if lp.idx_cmp is not None:
@@ -213,13 +220,16 @@ def _sublayer_mix(cfg: ModelConfig, w: dict, branch: str, x_HD):
 
 
 def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows: jax.Array | None,
-         trace_routing: bool = False):
+         trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
     """One token through the model: (logits [V], new state). `engram_rows` [n_engram_layers, n_buckets, bytes].
 
     `trace_routing=True` (static) also returns {"experts": int32 [n_layers, K], "swaps": int32 [n_layers],
     "predicted_next": int32 [n_layers, K]}: the routed expert ids of every layer (usage profiling, per-tier
     statistics), how many the router lean swapped in, and layer l's look-ahead guess for layer l+1 (-1: none);
     values the step computes anyway, so the logits and state are the same.
+
+    `feature_layers` (static, e.g. the DSpark target layers) also returns, last, float32 [len, D]: each listed
+    layer's block input (after Engram, before hc_pre) averaged over the hc copies (MODEL.md §4 target features).
     """
     cfg = plan.cfg
     pos = state["pos"]
@@ -229,11 +239,14 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
     # V4.1 lag: each sublayer collapses with the `pre` handed over by the previous sublayer.
     pre_prev = hc_onehot_pre(cfg.hc_mult)
     routing, swaps, predicted = [], [], []  # per layer; dead code for XLA unless trace_routing returns them
+    features = {}
     for lp in plan.layers:
         w = params["blocks"][lp.index]
         if lp.engram_slot >= 0:
             x = engram_combine(x, engram_rows[lp.engram_slot], w["engram_wkv"], w["engram_q"], w["engram_k"],
                                cfg.rms_eps)
+        if lp.index in feature_layers:
+            features[lp.index] = jnp.mean(x, axis=0)
         for branch in ("attn", "ffn"):
             pre, post, comb = _sublayer_mix(cfg, w, branch, x)
             h = rms_norm(hc_collapse(x, pre_prev if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
@@ -252,26 +265,28 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
         y = hc_head(x, params["output_hc_fn"], params["output_hc_scale"], params["output_hc_base"], cfg.hc_eps,
                     cfg.rms_eps)
     logits = qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
+    out = (logits, {"pos": pos + 1, "layers": new_layers})
     if trace_routing:
-        return logits, {"pos": pos + 1, "layers": new_layers}, {"experts": jnp.stack(routing),
-                                                                 "swaps": jnp.stack(swaps),
-                                                                 "predicted_next": jnp.stack(predicted)}
-    return logits, {"pos": pos + 1, "layers": new_layers}
+        out += ({"experts": jnp.stack(routing), "swaps": jnp.stack(swaps), "predicted_next": jnp.stack(predicted)},)
+    if feature_layers:
+        out += (jnp.stack([features[i] for i in feature_layers]),)
+    return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
 def decode_step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows=None,
-                trace_routing: bool = False):
-    return step(plan, params, state, token, engram_rows, trace_routing)
+                trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
+    return step(plan, params, state, token, engram_rows, trace_routing, feature_layers)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
 def prefill(plan: ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
-            trace_routing: bool = False):
-    """All prompt positions through `step` (lax.scan): (logits [T, V], state[, routing with a leading T axis])."""
+            trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
+    """All prompt positions through `step` (lax.scan): (logits [T, V], state[, routing][, features], each of the
+    per-token outputs with a leading T axis)."""
     def body(st, xs):
         tok, rows = xs
-        out = step(plan, params, st, tok, rows, trace_routing)
+        out = step(plan, params, st, tok, rows, trace_routing, feature_layers)
         return out[1], (out[0], *out[2:])
 
     state, ys = jax.lax.scan(body, state, (tokens, engram_rows))

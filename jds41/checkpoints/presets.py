@@ -97,6 +97,11 @@ def _full(arch: str) -> dict:
 # Engram: (layer ids, heads, head_dim, max_ngram, bucket start) per size; DSpark: (block, markov rank, noise id).
 _ENGRAM = {"tiny": ((1,), 2, 32, 3, 64), "small": ((1, 4), 4, 32, 4, 20000), "full": ((1, 14), 8, 256, 4, 16_000_000)}
 _DSPARK = {"tiny": (3, 8, 7), "small": (4, 64, 7), "full": (5, 256, 128799)}
+# Draft stages' own expert pool (experts, top-k) per size when drafts are written (MODEL.md §4 / §6): V4.1 128e
+# top-3, V4-Flash-0731 keeps the target's 256e top-6; small 16e top-2, tiny 4e top-2.
+_DRAFT_EXPERTS = {("tiny", "deepseek4"): (4, 2), ("tiny", "deepseek41"): (4, 2), ("small", "deepseek4"): (16, 2),
+                  ("small", "deepseek41"): (16, 2), ("full", "deepseek4"): (256, 6), ("full", "deepseek41"): (128, 3)}
+DRAFT_STAGES = {"tiny": 2, "small": 2, "full": 3}  # the draft stage count of each size (MODEL.md §6)
 
 
 def _shared_tiny() -> dict:
@@ -107,12 +112,14 @@ def _shared_tiny() -> dict:
             "candidate_topk_blocks": 4}
 
 
-def preset(arch: str, size: str, layers: int | None = None, nextn: int = 0) -> ModelConfig:
+def preset(arch: str, size: str, layers: int | None = None, nextn: int = 0, draft_stages: int = 0) -> ModelConfig:
     """The named config, optionally truncated to the first `layers` main layers.
 
     Truncation keeps every per-layer list consistent: ratios[:N], source / Engram / DSpark layer ids < N (a
     candidate source >= N drops candidate selection), hash layers min(original, N). `nextn` appends that many
-    MTP blocks (deepseek4 only: V4.1's DSpark drafter is a separate `dflash` file).
+    MTP blocks (deepseek4 only: V4.1's DSpark drafter is a separate `dflash` file). `draft_stages` appends that
+    many DSpark draft stages (`mtp.{s}.*` tensors, both architectures) with the draft's own expert pool; the
+    DSpark keys of deepseek41 presets are there either way (they describe the drafter a separate file brings).
     """
     if arch not in ("deepseek4", "deepseek41"):
         raise ValueError(f"unknown architecture {arch!r}")
@@ -120,6 +127,8 @@ def preset(arch: str, size: str, layers: int | None = None, nextn: int = 0) -> M
         raise ValueError(f"unknown size {size!r} for {arch} (sizes: {', '.join(SIZES)}; tiny-shared is deepseek41)")
     if nextn and arch != "deepseek4":
         raise ValueError("MTP blocks (nextn) exist only in deepseek4 files")
+    if nextn and draft_stages:
+        raise ValueError("a file has MTP blocks (nextn) or DSpark draft stages, not both")
     base = "tiny" if size == "tiny-shared" else size
     f = {"tiny": _tiny, "small": _small, "full": _full}[base](arch)
     if size == "tiny-shared":
@@ -128,6 +137,7 @@ def preset(arch: str, size: str, layers: int | None = None, nextn: int = 0) -> M
     if not 1 <= n <= f["n_layers"]:
         raise ValueError(f"layers={layers}: {arch} {size} has {f['n_layers']} layers")
     f["n_layers"] = n
+    nextn = nextn or draft_stages  # draft stages are the trailing nextn blocks (ratio 0)
     f["compress_ratios"] = tuple(f["compress_ratios"][:n]) + (0,) * nextn
     f["n_hash_layers"] = min(f["n_hash_layers"], n)
     if f.get("kv_source_layer_ids"):
@@ -143,9 +153,12 @@ def preset(arch: str, size: str, layers: int | None = None, nextn: int = 0) -> M
         engram = None
         if ids:
             engram = make_engram_config(ids, heads, hdim, max_ngram, start, compressed_vocab(f["vocab_size"]))
+        cfg = dataclasses.replace(cfg, engram=engram)
+    if arch == "deepseek41" or draft_stages:
         block, rank, noise = _DSPARK[base]
         targets = tuple(range(max(0, n - (3 if base == "full" else 2)), n))
-        cfg = dataclasses.replace(cfg, engram=engram, dspark=DSparkConfig(targets, noise, block, rank))
+        experts, used = _DRAFT_EXPERTS[(base, arch)] if draft_stages else (None, None)
+        cfg = dataclasses.replace(cfg, dspark=DSparkConfig(targets, noise, block, rank, experts, used))
     return _checked(cfg)
 
 

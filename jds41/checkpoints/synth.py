@@ -19,6 +19,11 @@ Weights are scaled so activations stay O(1): N(0, 1/fan_in) matrices, embeddings
 mixing matrices, moderate hc base/scale, sinks ~0, small router bias. Generation is seeded per tensor name and
 draws rows in order, so a tensor's bytes depend only on (seed, name, shape, type), not on the chunking.
 
+DSpark drafts (schema.draft_tensors): `--draft-stages S` writes S draft stages (`mtp.{s}.*`) into the model file;
+`--draft-out FILE` also writes a separate draft file holding only those tensors and the keys of the config with
+the stages (`{arch}.dspark.standalone` = true). Tensors are seeded by name, so a separate draft file's stages are
+byte-identical to the in-file stages of the same seed.
+
 CLI: python -m jds41.checkpoints.synth --arch deepseek41 --size tiny --quant q8 --out FILE.gguf
 """
 
@@ -37,7 +42,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 
 from jds41.checkpoints import presets, synth_tokenizer
-from jds41.checkpoints.schema import Kind, TensorSpec, model_tensors
+from jds41.checkpoints.schema import STANDALONE_DRAFT_KEY, Kind, TensorSpec, draft_tensors, model_tensors
 from jds41.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -151,7 +156,7 @@ def _chunks(spec: TensorSpec, qtype: T, cfg: ModelConfig, rng: np.random.Generat
             yield np.argsort(rng.random((n, cfg.n_experts)), axis=1)[:, :cols].astype(np.int32).tobytes()
         elif spec.kind is Kind.ROWS:
             yield _engram_rows(rng, n, cfg.engram.head_dim).tobytes()
-        elif spec.kind in (Kind.MATRIX, Kind.EXPERTS):
+        elif spec.kind in (Kind.MATRIX, Kind.EXPERTS, Kind.SMALL_MATRIX):
             scale = 1.0 if spec.name == "token_embd.weight" else 1.0 / np.sqrt(cols)
             if fast and qtype == T.Q8_0:
                 yield _fast_q8_0(rng, (n, cols), scale).tobytes()
@@ -278,18 +283,22 @@ def _tokenizer(cfg: ModelConfig, tokenizer):
 
 
 def write_synthetic(path: str | os.PathLike, cfg: ModelConfig, quant: str = "f32", seed: int = 0,
-                    progress: bool = True, tokenizer="synthetic", name: str | None = None, fast: bool = False) -> dict:
+                    progress: bool = True, tokenizer="synthetic", name: str | None = None,
+                    draft_only: bool = False, fast: bool = False) -> dict:
     """Write a complete synthetic model file; returns a summary (bytes, tensors, Q8_0 fallbacks, seconds).
 
     `tokenizer`: "synthetic" (built for the vocab size), "none" (llama.cpp's test-model convention: only
-    vocab_size), or a `tokenizers.Tokenizer` with exactly `cfg.vocab_size` ids. `fast`: for full-size speed
+    vocab_size), or a `tokenizers.Tokenizer` with exactly `cfg.vocab_size` ids. `draft_only`: a separate DSpark
+    draft file (only the config's `mtp.*` draft tensors; `cfg` must have draft stages). `fast`: for full-size speed
     benchmarks, experts cycle through FAST_EXPERT_POOL random experts per stack and Q8_0 matrices are uniform
     random blocks (same names, shapes, types and layout; writes at disk speed).
     """
     from tqdm import tqdm
 
     t0 = time.time()
-    specs = model_tensors(cfg)
+    specs = draft_tensors(cfg) if draft_only else model_tensors(cfg)
+    if draft_only and not specs:
+        raise ValueError("a draft file needs a config with DSpark draft stages (preset(..., draft_stages=S))")
     types, fallback = choose_types(cfg, quant)
     if fallback:
         log.info("%d tensors fall back to Q8_0 (rows not a multiple of 256): %s", len(fallback), fallback[:4])
@@ -297,6 +306,8 @@ def write_synthetic(path: str | os.PathLike, cfg: ModelConfig, quant: str = "f32
     w = gguf.GGUFWriter(os.fspath(path), cfg.arch)
     w.data_alignment = cfg.alignment
     _metadata(w, cfg, quant, seed, tok, fallback, name or f"jds41-synthetic-{cfg.arch}-{quant}")
+    if draft_only:
+        _add(w, f"{cfg.arch}.{STANDALONE_DRAFT_KEY}", True, "bool")
     sizes = {}
     for tname, spec in specs.items():
         sizes[tname] = tensor_nbytes(spec.shape, types[tname])
@@ -331,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", required=True, choices=presets.SIZES)
     ap.add_argument("--layers", type=int, default=None, help="keep the first N main layers")
     ap.add_argument("--nextn", type=int, default=0, help="MTP blocks (deepseek4)")
+    ap.add_argument("--draft-stages", type=int, default=0, help="DSpark draft stages written into the model file")
+    ap.add_argument("--draft-out", default=None, help="also write a separate DSpark draft file (the size's stage "
+                    "count unless --draft-stages says otherwise)")
     ap.add_argument("--quant", default="f32", choices=QUANTS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engram-rows", type=int, default=None, help="shrink each Engram table to about R rows")
@@ -341,13 +355,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
-    cfg = presets.preset(a.arch, a.size, a.layers, nextn=a.nextn)
+    cfg = presets.preset(a.arch, a.size, a.layers, nextn=a.nextn, draft_stages=a.draft_stages)
     if a.engram_rows is not None:
         cfg = presets.with_engram_rows(cfg, a.engram_rows)
     info = write_synthetic(a.out, cfg, a.quant, a.seed, progress=not a.quiet, tokenizer=a.tokenizer,
                            name=f"jds41-synthetic-{a.arch}-{a.size}-{a.quant}", fast=a.fast)
     print(f"wrote {info['path']}: {info['bytes'] / 2**30:.3f} GiB, {info['tensors']} tensors, "
           f"{len(info['fallback_q8_0'])} Q8_0 fallbacks, {info['seconds']} s")
+    if a.draft_out:
+        base = "tiny" if a.size == "tiny-shared" else a.size
+        dcfg = presets.preset(a.arch, a.size, a.layers, draft_stages=a.draft_stages or presets.DRAFT_STAGES[base])
+        if a.engram_rows is not None:
+            dcfg = presets.with_engram_rows(dcfg, a.engram_rows)
+        info = write_synthetic(a.draft_out, dcfg, a.quant, a.seed, progress=not a.quiet, tokenizer=a.tokenizer,
+                               name=f"jds41-synthetic-{a.arch}-{a.size}-{a.quant}-dspark", draft_only=True)
+        print(f"wrote draft {info['path']}: {info['bytes'] / 2**20:.2f} MiB, {info['tensors']} tensors")
     return 0
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from gguf import GGML_QUANT_SIZES, GGUFValueType
 
 from jds41.checkpoints.header import DEFAULT_ALIGNMENT, Header, known_ggml_type, tensor_nbytes
-from jds41.checkpoints.schema import model_tensors
+from jds41.checkpoints.schema import STANDALONE_DRAFT_KEY, draft_tensors, model_tensors
 from jds41.config import ModelConfig
 from jds41.errors import ConfigError, ModelFileError
 
@@ -128,6 +128,11 @@ def check_model(path: str, metadata: Mapping[str, Any], tensors: Mapping[str, Te
     cfg = ModelConfig.from_metadata(metadata, path)
     _check_extra_keys(path, cfg, metadata)
     specs = model_tensors(cfg)
+    key = f"{cfg.arch}.{STANDALONE_DRAFT_KEY}"
+    if metadata.get(key, False):  # a separate DSpark draft file: only the draft stages' tensors
+        specs = draft_tensors(cfg)
+        if not specs:
+            raise ConfigError(path, key, "a draft file needs DSpark keys and nextn_predict_layers > 0 draft stages")
     missing = [name for name in specs if name not in tensors]
     if missing:
         more = f" (and {len(missing) - 1} more, e.g. {missing[1:4]})" if len(missing) > 1 else ""

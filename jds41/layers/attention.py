@@ -4,7 +4,10 @@ Owns the attention sublayer's math and its window ring (MODEL.md §2.2, LLAMACPP
 - query: qr = RMSNorm(h @ W_qa) * q_a_norm; q = qr @ W_qb per head; V4 RMS-normalises each head (no weight);
   RoPE on the last rope dims at the token position;
 - one K = V latent per token: kv = RMSNorm(h @ W_kv) * kv_norm, RoPE likewise, written into a ring of
-  `window` rows (slot = position mod window: the ring holds exactly positions p-window+1 .. p);
+  `window + slack` rows (slot = position mod ring size). Attention reads the ring through `window_rows`: the rows
+  of positions p-window+1 .. p in position order, masked by the position each slot holds. So the slack never
+  changes what (or in which order) attention sums, and speculative verification (jds41/speculative.py) can write
+  up to `slack` positions past the accepted prefix without evicting a row a later query still needs;
 - keys = the window rows plus compressed rows (all visible ones for HCA, the indexer's top-k for CSA);
   score = q.k / sqrt(head_dim); one softmax per head over all keys plus a learned sink logit that sits in the
   denominator only; output = weighted sum of the same latents;
@@ -24,9 +27,17 @@ from jds41.layers.rope import apply_rope
 from jds41.quant import QTensor, qmatvec, qmatvec_experts
 
 
-def init_ring(cfg: ModelConfig) -> dict[str, jax.Array]:
-    return {"kv": jnp.zeros((cfg.window, cfg.head_dim), jnp.float32),
-            "pos": jnp.full((cfg.window,), -1, jnp.int32)}
+def init_ring(cfg: ModelConfig, slack: int = 0) -> dict[str, jax.Array]:
+    return {"kv": jnp.zeros((cfg.window + slack, cfg.head_dim), jnp.float32),
+            "pos": jnp.full((cfg.window + slack,), -1, jnp.int32)}
+
+
+def window_rows(ring: dict, window: int, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(kv [window, HD], valid [window]): the rows of positions pos-window+1 .. pos, oldest first, whatever the
+    ring size; a row is valid when its slot holds exactly that position (not empty, not a stale or later one)."""
+    want = pos - window + 1 + jnp.arange(window, dtype=jnp.int32)
+    slots = want % ring["kv"].shape[0]
+    return ring["kv"][slots], (want >= 0) & (ring["pos"][slots] == want)
 
 
 def query(cfg: ModelConfig, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,163 @@
+"""DSpark drafting against plain greedy decode, per tier profile (issue #6, item 4): acceptance, tokens per verify
+step, decode tok/s of both and the net speedup, plus whether the tokens are identical (they must be).
+
+For each profile (`none` = every weight resident, no tier machinery; or a shipped profile name / JSON path) the
+model is opened once; each mode is warmed up (compiles) on a short run, then timed on `--tokens` new tokens for
+every prompt:
+- `plain`:  Session.generate (the reference);
+- `dspark`: SpeculativeSession with the DSpark drafter (`--draft self` or a draft file): the real acceptance;
+- `oracle-right` / `oracle-wrong`: drafts replayed from the plain run (all accepted / none accepted). They bound
+  the speedup: full acceptance, and the pure verification cost under offload (every block rejected). With synthetic
+  weights only these two mean anything; acceptance needs the trained model.
+Under a profile the draft tokens' hash-layer experts are prefetched before each verify (tiers.prefetch_tokens) and
+their Engram rows are hashed and read ahead of the pass (speculative.SpeculativeSession.verify).
+
+Prints one JSON line per (profile, mode) and writes them to $OUT/bench_draft.jsonl when OUT is set. CPU timings
+check the code path only: they are not speed figures (experiments/README.md).
+
+GPU: python experiments/bench_draft.py MODEL.gguf --draft DRAFT.gguf --profiles none,all-hbm,lucebox,h200 \
+         --tokens 256 --prompts 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from jds41.engine import Engine
+from jds41.speculative import DSparkDrafter, SpeculativeSession
+
+MODES = ("plain", "dspark", "oracle-right", "oracle-wrong")
+
+
+class ReplayDrafter:
+    """Proposes a known continuation (right) or tokens that are never it (wrong); reads the DSpark features so it
+    runs the same compiled programs as the DSpark drafter."""
+
+    def __init__(self, engine: Engine, stream: list[int], right: bool, block_size: int, feature_layers):
+        self.stream, self.right, self.vocab = stream, right, engine.vocab_size
+        self.block_size, self.feature_layers = block_size, tuple(feature_layers)
+
+    def observe(self, features, pos0, count):
+        pass
+
+    def propose(self, last, pos):
+        true = [self.stream[p] if p < len(self.stream) else 0 for p in range(pos + 1, pos + 1 + self.block_size)]
+        return true if self.right else [(t + 1) % self.vocab for t in true]
+
+
+def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(16, vocab, length)] for _ in range(n)]
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _timed(session, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """(tokens, decode seconds): from the first generated token (the prompt's last logits) to the last one."""
+    out, t_first = [], None
+    for t in session.generate(prompt, n):
+        if t_first is None:
+            t_first = time.perf_counter()
+        out.append(t)
+    return out, time.perf_counter() - t_first
+
+
+def bench_profile(args, profile: str | None) -> list[dict]:
+    engine = Engine.open(args.model, max_ctx=args.ctx, profile=profile)
+    drafter = DSparkDrafter.open(engine, args.draft)
+    prompts = _prompts(engine.vocab_size, args.prompts, args.prompt_len, args.seed)
+    plain_out: list[list[int]] = []
+    results = []
+    for mode in args.modes:
+        def session(i, mode=mode):
+            if mode == "plain":
+                return engine.session()
+            if mode == "dspark":
+                drafter.reset()
+                return SpeculativeSession(engine, drafter)
+            stream = prompts[i] + plain_out[i]
+            return SpeculativeSession(engine, ReplayDrafter(engine, stream, mode == "oracle-right",
+                                                            drafter.block_size, drafter.feature_layers))
+
+        if mode != "plain" and not plain_out:
+            raise SystemExit("modes must start with plain (the reference)")
+        _timed(session(0), prompts[0], min(args.tokens, 2 * drafter.block_size + 2))  # warm-up: compiles
+        tokens, seconds, stats = 0, 0.0, []
+        identical = True
+        for i, prompt in enumerate(prompts):
+            s = session(i)
+            out, sec = _timed(s, prompt, args.tokens)
+            if mode == "plain":
+                plain_out.append(out)
+            else:
+                identical &= out == plain_out[i]
+                stats.append(s.stats.to_dict())
+            tokens += len(out) - 1
+            seconds += sec
+        row = {"bench": "bench_draft", "profile": profile or "none", "mode": mode, "tokens": tokens,
+               "decode_tok_s": round(tokens / seconds, 3) if seconds > 0 else None}
+        if mode != "plain":
+            steps = sum(x["verify_steps"] for x in stats)
+            drafted = sum(x["drafted"] for x in stats)
+            accepted = sum(x["accepted"] for x in stats)
+            row.update(identical_to_plain=identical, verify_steps=steps, acceptance_rate=round(accepted / drafted, 4)
+                       if drafted else None, tokens_per_step=round(tokens / steps, 4) if steps else None,
+                       block_size=drafter.block_size)
+            plain_row = results[0]
+            if plain_row["decode_tok_s"] and row["decode_tok_s"]:
+                row["speedup_vs_plain"] = round(row["decode_tok_s"] / plain_row["decode_tok_s"], 4)
+        if engine.tiers is not None:
+            row["tiers"] = engine.tiers.stats()
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if engine.tiers is not None:
+        engine.tiers.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--draft", default="self", help="draft GGUF, or 'self' for the model's own mtp.* stages")
+    ap.add_argument("--profiles", default="none,all-hbm,lucebox,h200", help="comma separated; 'none' = resident")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma separated, plain first ({', '.join(MODES)})")
+    ap.add_argument("--tokens", type=int, default=256, help="new tokens per prompt")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    args.modes = [m for m in args.modes.split(",") if m]
+    if any(m not in MODES for m in args.modes) or args.modes[0] != "plain":
+        ap.error(f"--modes: plain first, then any of {', '.join(MODES[1:])}")
+    import jax
+
+    meta = {"bench": "bench_draft", "meta": True, "commit": _git_commit(), "machine": platform.node(),
+            "devices": [str(d) for d in jax.devices()], "command": " ".join([sys.executable, *sys.argv])}
+    rows = [meta]
+    print(json.dumps(meta), flush=True)
+    for p in args.profiles.split(","):
+        rows += bench_profile(args, None if p in ("", "none") else p)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_draft.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,42 @@
+"""experiments/bench_draft.py runs on the CPU with a tiny model (the lead runs it on the GPU): one JSON line per
+(profile, mode), every drafting mode gives plain decode's tokens, the oracles accept all / none of the drafts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from jds41.checkpoints.presets import preset
+from jds41.checkpoints.synth import write_synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_bench_draft_runs_on_cpu(tmp_path, monkeypatch, capsys):
+    model = tmp_path / "m.gguf"
+    write_synthetic(model, preset("deepseek41", "tiny", draft_stages=2), quant="q8", progress=False)
+    spec = importlib.util.spec_from_file_location("bench_draft", ROOT / "experiments" / "bench_draft.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bench.main([str(model), "--profiles", "all-hbm", "--tokens", "12", "--prompts", "2",
+                       "--prompt-len", "6", "--ctx", "256"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "bench_draft.jsonl").read_text().splitlines()]
+    assert rows[0]["meta"] and capsys.readouterr().out.count("\n") == len(rows)
+    runs = {(r["profile"], r["mode"]): r for r in rows[1:]}
+    assert set(runs) == {("all-hbm", m) for m in bench.MODES}
+    k = preset("deepseek41", "tiny").dspark.block_size
+    for (_, mode), r in runs.items():
+        assert r["tokens"] == 2 * 11 and r["decode_tok_s"] > 0
+        if mode == "plain":
+            continue
+        assert r["identical_to_plain"] is True and r["speedup_vs_plain"] > 0
+        if mode == "oracle-right":
+            assert r["acceptance_rate"] == 1.0 and r["verify_steps"] == 2 * -(-11 // (k + 1))
+        if mode == "oracle-wrong":
+            assert r["acceptance_rate"] == 0.0 and r["tokens_per_step"] == 1.0
+    assert runs[("all-hbm", "dspark")]["tiers"]["tokens"] > 0  # the tier runtime counted the verified tokens
