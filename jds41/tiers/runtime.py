@@ -89,8 +89,8 @@ class TierRuntime:
 
 
 def open_tiers(gguf, params: dict, profile_name: str, usage_path: str | None = None) -> tuple[dict, TierRuntime]:
-    """`params` need not hold the routed stacks: the stores read the placed experts themselves."""
-    """(params with experts placed by the profile, the runtime that owns the stores)."""
+    """(params with experts placed by the profile, the runtime that owns the stores). `params` need not hold the
+    routed stacks: the stores read the placed experts themselves."""
     profile = load_profile(profile_name)
     placement = placement_for_model(gguf, profile, usage_path)
     layout = ExpertLayout.from_model(gguf)
