@@ -24,7 +24,8 @@ What it does, in order:
    measured bandwidths; roofline tok/s = 1 / max(time per resource) (perfect overlap), the no-overlap bound beside.
    `ratio` = measured / roofline.
 
-Profiles: `plain` (no profile: the model's own stacks, the reference path of #3), shipped names (`all-hbm`,
+Profiles (`NAME+selected`: the same with `host_fetch: "selected"`):
+`plain` (no profile: the model's own stacks, the reference path of #3), shipped names (`all-hbm`,
 `lucebox`, `ssd-heavy`), `h200` (the shipped profile's budgets resolved for the FULL model of this architecture and
 applied as fractions, so an N-layer file gets the full model's split), `all-host` (every routed expert in pinned host
 memory, the analogue of llama.cpp's `-ot exps=CPU`), or a JSON path. Timings on the 2-core CPU machines check the
@@ -187,9 +188,20 @@ def full_model_bytes(arch: str, quant: str) -> dict:
 
 
 def profile_json(name: str, arch: str, quant: str, workdir: str) -> str | None:
-    """A profile argument for Engine.open: None (plain), a shipped name, or a JSON file written here."""
+    """A profile argument for Engine.open: None (plain), a shipped name, or a JSON file written here. A name ending
+    in `+selected` is that profile with `host_fetch: "selected"` (move only the selected host experts)."""
     if name == "plain":
         return None
+    if name.endswith("+selected"):
+        from jds41.tiers.profiles import load_profile
+
+        base = profile_json(name.removesuffix("+selected"), arch, quant, workdir)
+        doc = {**load_profile(base).to_json(), "host_fetch": "selected"}
+        doc["name"] = name.replace("+", "-")
+        path = os.path.join(workdir, f"profile-{doc['name']}-{arch}-{quant}.json")
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        return path
     base = {"placement_source": "uniform", "lookahead": 1, "slot_cache_slots": 256, "engram_tables": "ssd",
             "router_lean": {"enabled": False, "margin": 0.0}}
     if name == "all-host":
@@ -213,6 +225,35 @@ def profile_json(name: str, arch: str, quant: str, workdir: str) -> str | None:
     else:
         return name
     path = os.path.join(workdir, f"profile-{name}-{arch}-{quant}.json")
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    return path
+
+
+# The ladder (issue #5 item 3): the same workload with one feature switched on per rung. Budgets are lucebox's
+# (6.54% of expert bytes in HBM, 60% in pinned host memory, the rest on the SSD) from the "ranked" rung on.
+# (rung, profile fields, placement ranked by measured usage?, decode loop)
+LADDER = (
+    ("naive-ssd", {"tier0_bytes": 0, "tier1_bytes": 0}, False, "step"),
+    ("host-tier", {"tier0_bytes": 0, "tier1_bytes": 0.6}, False, "step"),
+    ("ranked", {"tier0_bytes": 0.0654, "tier1_bytes": 0.6}, True, "step"),
+    ("cache-lookahead", {"tier0_bytes": 0.0654, "tier1_bytes": 0.6, "slot_cache_slots": 128, "lookahead": 1}, True,
+     "step"),
+    ("fused", {"tier0_bytes": 0.0654, "tier1_bytes": 0.6, "slot_cache_slots": 128, "lookahead": 1}, True, "device"),
+    ("lean", {"tier0_bytes": 0.0654, "tier1_bytes": 0.6, "slot_cache_slots": 128, "lookahead": 1, "lean": True}, True,
+     "device"),
+)
+
+
+def ladder_profile(rung: str, fields: dict, k: int, margin: float, workdir: str) -> str:
+    """A rung's profile JSON: SSD experts get only a step's worth of slots (K, no reuse to speak of) until the
+    cache rung, no look-ahead until then, the router lean only on the last rung."""
+    doc = {"name": f"ladder-{rung}", "placement_source": "uniform", "slot_cache_slots": k, "lookahead": False,
+           "engram_tables": "ssd", "router_lean": {"enabled": False, "margin": 0.0},
+           **{key: v for key, v in fields.items() if key != "lean"}}
+    if fields.get("lean"):
+        doc["router_lean"] = {"enabled": True, "margin": margin}
+    path = os.path.join(workdir, f"ladder-{rung}.json")
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
     return path
@@ -269,7 +310,7 @@ def _tier_snapshot(engine) -> dict:
     t = engine.tiers
     if t is None:
         return {}
-    snap = {"lookups": t.lookups.copy(), "bytes": t.bytes.copy(), "tokens": t.tokens}
+    snap = {"lookups": t.lookups.copy(), "bytes": t.bytes.copy(), "tokens": t.tokens, "lean_swaps": t.lean_swaps}
     if t.stores.ssd is not None:
         st = t.stores.ssd.stats
         snap["slot"] = (st.lookups, st.hits, st.misses, st.bytes, st.stall_s)
@@ -279,20 +320,31 @@ def _tier_snapshot(engine) -> dict:
     return snap
 
 
-def run_profile(path: str, name: str, args, usage_path: str, stream: list[int], prompt: list[int]) -> dict:
+def run_profile(path: str, name: str, args, usage_path: str | None, stream: list[int], prompt: list[int],
+                prof: str | None = None, loop: str = "device") -> dict:
+    """One profile: time to ready, prefill, then decode over `stream` in the device loop (`loop="device"`) or one
+    jitted step and host round trip per token (`"step"`, the reference path). `prof` overrides the profile file
+    (ladder rungs); `usage_path` None keeps the profile's own placement source."""
     from jds41.decode_loop import decode_forced
     from jds41.engine import PREFILL_CHUNK, Engine
 
-    prof = profile_json(name, args.arch, args.quant, args.workdir)
+    if prof is None:
+        prof = profile_json(name, args.arch, args.quant, args.workdir)
     t0 = time.perf_counter()
     engine = Engine.open(path, max_ctx=len(prompt) + len(stream) + 64, profile=prof,
                          usage=usage_path if prof is not None else None)
+
+    def decode(session):
+        if loop == "device":
+            return decode_forced(session, stream)
+        return np.asarray([int(np.argmax(session.feed([t]))) for t in stream[:-1]])
+
     ready_s = time.perf_counter() - t0
     log(f"{name}: ready in {ready_s:.1f} s")
     warm = engine.session()  # compile the prefill chunk and the decode loop for these lengths
     t0 = time.perf_counter()
     warm.feed(prompt[:PREFILL_CHUNK])
-    decode_forced(warm, stream)
+    decode(warm)
     compile_s = time.perf_counter() - t0
     log(f"{name}: warm-up (compiles) {compile_s:.1f} s")
     del warm
@@ -304,13 +356,13 @@ def run_profile(path: str, name: str, args, usage_path: str, stream: list[int], 
     log(f"{name}: prefill {len(prompt)} tokens in {prefill_s:.1f} s")
     before = _tier_snapshot(engine)
     t0 = time.perf_counter()
-    preds = decode_forced(s, stream)
+    preds = decode(s)
     decode_s = time.perf_counter() - t0
     after = _tier_snapshot(engine)
     n = len(stream) - 1
     dense, engram_row_bytes = static_bytes(engine)
     cfg = engine.cfg
-    row = {"profile": name, "ready_s": round(ready_s, 2), "compile_s": round(compile_s, 2),
+    row = {"profile": name, "loop": loop, "ready_s": round(ready_s, 2), "compile_s": round(compile_s, 2),
            "prefill_tokens": len(prompt), "prefill_tok_s": round(len(prompt) / prefill_s, 2),
            "decode_tokens": n, "decode_tok_s": round(n / decode_s, 2),
            "decode_ms_per_token": round(1e3 * decode_s / n, 3),
@@ -341,6 +393,11 @@ def run_profile(path: str, name: str, args, usage_path: str, stream: list[int], 
         engram_pcie = engram_row_bytes if engine.tiers.profile.engram_tables != "hbm" else 0
         per_tok = Bytes(dense + sb + tb[0] + tb[1] + tb[2], tb[1] + tb[2] + engram_pcie, ssd_miss_bytes + engram_ssd)
         tiers["lookahead"] = engine.tiers.stats()["lookahead"]
+        if engine.plan.lean_margin is not None:
+            swaps = after["lean_swaps"] - before["lean_swaps"]
+            scored = tok * cfg.n_experts_used * engine.tiers.n_scored_layers
+            tiers["router_lean"] = {"margin": engine.plan.lean_margin, "swaps_per_token": round(swaps / tok, 3),
+                                    "topk_agreement": round(1 - swaps / max(scored, 1), 5)}
         row["tiers"] = tiers
     best, worst = per_tok.roofline()
     row["bytes_per_token"] = {"hbm": int(per_tok.hbm), "pcie": int(per_tok.pcie), "ssd": int(per_tok.ssd)}
@@ -367,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--usage-tokens", type=int, default=1024)
     ap.add_argument("--engram-rows", type=int, default=2_000_000)
     ap.add_argument("--workdir", default="/tmp/jds41-bench")
+    ap.add_argument("--ladder", action="store_true", help="run the feature ladder instead of --profiles")
+    ap.add_argument("--lean-margin", type=float, default=0.05, help="router-lean margin of the ladder's last rung")
     ap.add_argument("--out", default=None, help="append JSON lines here (also printed)")
     a = ap.parse_args(argv)
     os.makedirs(a.workdir, exist_ok=True)
@@ -393,9 +452,14 @@ def main(argv: list[str] | None = None) -> int:
               "routing": {"source": "zipf-fit selection bias" if a.skew_top10 > 0 else "random weights",
                           "target_top10_share": a.skew_top10, "g": round(g, 4), "measured": skew},
               "usage_s": round(usage_s, 1), "bandwidths": BW}
+    if a.ladder:
+        runs = [(f"ladder-{rung}", ladder_profile(rung, fields, cfg.n_experts_used, a.lean_margin, a.workdir),
+                 usage_path if ranked else None, loop) for rung, fields, ranked, loop in LADDER]
+    else:
+        runs = [(name, None, usage_path, "device") for name in a.profiles.split(",")]
     ref = None
-    for name in a.profiles.split(","):
-        row = {**common, **run_profile(path, name, a, usage_path, stream, prompt)}
+    for name, prof, usage, loop in runs:
+        row = {**common, **run_profile(path, name, a, usage, stream, prompt, prof, loop)}
         ref = ref or row["predictions_sha256"]
         row["same_predictions_as_first"] = row["predictions_sha256"] == ref
         line = json.dumps(row)

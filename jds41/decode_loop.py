@@ -111,6 +111,7 @@ def greedy_generate(session, first_token: int, max_new: int, stop_ids=()) -> lis
     session.tokens += fed
     if trace and fed:
         eng.tiers.record(jax.tree.map(lambda a: np.asarray(a[:len(fed)]), routing))
+        eng.apply_lean_guard()
     return produced
 
 
@@ -135,6 +136,7 @@ def decode_forced(session, tokens) -> np.ndarray:
     session.tokens += fed
     if trace and fed:
         eng.tiers.record(jax.tree.map(lambda a: np.asarray(a[:len(fed)]), routing))
+        eng.apply_lean_guard()
     return np.asarray(out[1:int(count)])
 
 

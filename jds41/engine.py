@@ -60,6 +60,7 @@ class Engine:
         self.load_seconds = load_seconds
         self.tiers = tiers  # jds41.tiers.runtime.TierRuntime when a profile placed the experts, else None
         self.load_stats: dict = {}  # bytes, seconds, GB/s and O_DIRECT use of the bulk read (set by open)
+        self.applied_lean_margin: float | None = None  # the lean margin in `params` once the guard changed it
         self.prefill_chunk = DEFAULT_PREFILL_CHUNK
         self.prefix_cache = None  # jds41.prefix_cache.PrefixCache, set by open(prefix_cache_bytes=...)
 
@@ -131,6 +132,19 @@ class Engine:
         engine.prefill_chunk, engine.prefix_cache = self.prefill_chunk, self.prefix_cache
         return engine
 
+    def apply_lean_guard(self) -> None:
+        """Put the router lean guard's margin into the parameters when it backed off (jds41/tiers/lean_guard.py):
+        an array swap, not a recompilation; sessions read `engine.params` at every call."""
+        guard = self.tiers.guard if self.tiers is not None else None
+        if guard is None:
+            return
+        applied = guard.initial_margin if self.applied_lean_margin is None else self.applied_lean_margin
+        if guard.margin != applied:
+            from jds41.tiers.experts import with_lean_margin
+
+            self.params = with_lean_margin(self.params, guard.margin)
+            self.applied_lean_margin = guard.margin
+
     def session(self) -> Session:
         return Session(self)
 
@@ -176,6 +190,7 @@ class Session:
         """Per-tier counts from the expert ids the step returned (only when experts are placed by a profile)."""
         if routing and self.engine.tiers is not None:
             self.engine.tiers.record(routing[0])
+            self.engine.apply_lean_guard()
             if self.expert_counts is None:  # the working set a prefix snapshot carries
                 self.expert_counts = np.zeros(self.engine.tiers.tier_LE.shape, np.int64)
             experts_TLK = np.asarray(routing[0]["experts"])

@@ -198,7 +198,7 @@ def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
     else:
         lean = None
         if plan.lean_margin is not None and "routed" in w:  # tier number doubles as the preference rank
-            lean = (w["routed"].tier_E, plan.lean_margin)
+            lean = (w["routed"].tier_E, w["routed"].lean_margin)  # a leaf: the guard may lower it
         r = route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg, lean=lean)
     idx, weight = r.idx_K, r.weight_K
     if "routed" in w:  # experts split across HBM / pinned host / SSD (jds41.tiers.experts)

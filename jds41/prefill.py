@@ -162,7 +162,7 @@ def _route(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_D, token):
     else:
         lean = None
         if plan.lean_margin is not None and "routed" in w:
-            lean = (w["routed"].tier_E, plan.lean_margin)
+            lean = (w["routed"].tier_E, w["routed"].lean_margin)  # a leaf: the guard may lower it
         r = route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg, lean=lean)
     return r.idx_K, r.weight_K, r.swaps
 

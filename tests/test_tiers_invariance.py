@@ -37,7 +37,7 @@ def _placement(cfg, kind: str, seed: int = 0) -> dict:
 
 # Each placement compiles its own program (tier stacks have their own shapes): the matrix stays small but
 # exercises every tier kind in both architectures, and slot caches from "barely fits one step" to "holds all".
-CASES = [("deepseek41", ("all-hbm", 0), ("mixed", 4), ("ssd-heavy", 2), ("ssd-heavy", 64)),
+CASES = [("deepseek41", ("all-hbm", 0), ("mixed", 4), ("mixed-selected", 4), ("ssd-heavy", 2), ("ssd-heavy", 64)),
          ("deepseek4", ("all-host", 0), ("all-ssd", 3))]
 
 
@@ -52,9 +52,11 @@ def test_every_placement_and_cache_size_gives_identical_logits(synthetic_model, 
     tokens = np.random.default_rng(1).integers(8, engine.vocab_size, 16).tolist()
     want = engine.session().feed(tokens, all_logits=True)
     for kind, slots in placements:
+        host_fetch = "selected" if kind.endswith("-selected") else "all"  # move only the selected host rows
         with ExpertReader(layout) as reader:
-            stores = build_stores(layout, _placement(engine.cfg, kind), reader, n_slots=max(slots, 1))
-            params = place_experts(load_params(engine.cfg, model), stores, layout)
+            stores = build_stores(layout, _placement(engine.cfg, kind.removesuffix("-selected")), reader,
+                                  n_slots=max(slots, 1))
+            params = place_experts(load_params(engine.cfg, model), stores, layout, host_fetch)
             got = engine.with_params(params).session().feed(tokens, all_logits=True)
             np.testing.assert_array_equal(got, want, err_msg=f"placement {kind}, {slots} slots")
             if stores.ssd is not None:

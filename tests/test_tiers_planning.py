@@ -205,6 +205,7 @@ def test_lucebox_fractions_match_the_documented_v41_derivation():
     ({"tier1_bytes": {"hbm": 1, "reserve": 2}}, "'tier1_bytes': the object form takes exactly the keys"),
     ({"tier1_bytes": {"host_free_minus": "16G"}}, "tier1_bytes.host_free_minus"),
     ({"engram_tables": "tape"}, "'engram_tables'"),
+    ({"host_fetch": "some"}, "'host_fetch'"),
     ({"placement_source": "magic"}, "'placement_source'"),
     ({"slot_cache_slots": -2}, "'slot_cache_slots'"),
     ({"router_lean": {"enabled": True, "speed": 2}}, "router_lean.*unknown field\\(s\\) \\['speed'\\]"),

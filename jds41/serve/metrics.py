@@ -12,8 +12,9 @@ Prefix cache (issue #10): `prefix_cache_queries` counts prompt tokens looked up 
 and the `prefix_cache_bytes` gauge follow the byte budget. All 0 while the cache is off (--prefix-cache-bytes 0).
 
 Placeholders, exported at 0 so dashboards and alerts can be built now: speculative decoding and the tier metrics
-(expert lookups and hits per tier, SSD bytes, Engram rows, prefetch, router lean swaps) until drafts and the tier
-planner land and feed them.
+(expert lookups and hits per tier, SSD bytes, Engram rows, prefetch) until drafts and the tier
+planner land and feed them. The router lean's swaps, back-offs, margin and top-k agreement come from the engine's
+live guard (zeros while the lean is off, as it is under the server's all-hbm placement).
 """
 
 from __future__ import annotations
@@ -126,13 +127,13 @@ class ServerMetrics:
             yield h.family(P + name, HELP[name], self.model_name)
         # Placeholders (module docstring): the features that feed them have not landed.
         yield from self._prefix_cache()
+        yield from self._router_lean()
         for name, doc in (("spec_decode_num_draft_tokens", "Draft tokens proposed."),
                           ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
                           ("ssd_read_bytes", "Bytes read from the SSD tier."),
                           ("engram_rows_read", "Engram rows read on the host."),
                           ("prefetch_predictions", "Expert prefetch predictions."),
-                          ("prefetch_correct", "Expert prefetch predictions that were used."),
-                          ("router_lean_swaps", "Router lean swaps to a resident expert.")):
+                          ("prefetch_correct", "Expert prefetch predictions that were used.")):
             yield counter(name, doc, 0)
         for name, doc in (("expert_lookups", "Routed expert lookups by tier."),
                           ("expert_hits", "Routed expert lookups served from the tier.")):
@@ -162,6 +163,30 @@ class ServerMetrics:
                                 labels=["model_name"])
         fam.add_metric(m, cache.nbytes if cache is not None else 0)
         yield fam
+
+
+    def _router_lean(self):
+        """The router lean and its live guard (jds41/tiers/lean_guard.py): swaps and back-offs as counters, the
+        current margin and the measured top-k agreement as gauges; zeros while the lean is off."""
+        engine = self.loader.engine
+        tiers = getattr(engine, "tiers", None)
+        guard = tiers.guard if tiers is not None else None
+        st = guard.stats() if guard is not None else {}
+        m = [self.model_name]
+        for name, doc, value in (
+                ("router_lean_swaps", "Experts the router lean took instead of an unbiased top-k choice.",
+                 tiers.lean_swaps if tiers is not None else 0),
+                ("router_lean_backoffs", "Times the live guard lowered the lean margin.", st.get("backoffs", 0))):
+            fam = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            fam.add_metric(m, value)
+            yield fam
+        for name, doc, value in (
+                ("router_lean_margin", "The router lean margin in use (0 = unbiased routing).", st.get("margin", 0.0)),
+                ("router_lean_topk_agreement", "Share of routed selections equal to the unbiased top-k.",
+                 st.get("topk_agreement") if st.get("topk_agreement") is not None else 1.0)):
+            fam = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            fam.add_metric(m, value)
+            yield fam
 
 
 class RequestTrace:

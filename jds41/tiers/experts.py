@@ -53,26 +53,40 @@ class TieredLayer:
     host: dict  # stack name -> QTensor [E1, out, in] in pinned host memory (dummy when empty)
     tier_E: jax.Array  # int32 [E]: 0 HBM, 1 host, 2 SSD
     local_E: jax.Array  # int32 [E]: index within its tier's stack (unused for the SSD)
+    lean_margin: jax.Array  # f32 scalar: the router lean's margin (a leaf, so the live guard changes it without
+    #                         recompiling; read only when the plan compiled the lean in)
     layer: int
     source: HostExpertSource | None = None  # None when nothing of this layer is on the SSD
     has_host: bool = True  # False: no tier-1 expert in this layer, so the graph moves no host rows at all
+    host_fetch: str = "all"  # "selected": move only the selected host experts (Profile.host_fetch)
 
 
-jax.tree_util.register_dataclass(TieredLayer, data_fields=["hbm", "host", "tier_E", "local_E"],
-                                 meta_fields=["layer", "source", "has_host"])
+jax.tree_util.register_dataclass(TieredLayer, data_fields=["hbm", "host", "tier_E", "local_E", "lean_margin"],
+                                 meta_fields=["layer", "source", "has_host", "host_fetch"])
 
 
-def host_rows(q: QTensor, local_K: jax.Array) -> jax.Array:
+def host_rows(q: QTensor, local_K: jax.Array, on_host_K: jax.Array | None = None) -> jax.Array:
     """The selected experts' rows from a pinned-host stack, moved to the device.
 
     Each expert is a dynamic index into the WHOLE host array followed by a device_put: DESIGN.md §7 measured this at
     ~48 GB/s on the GPU box, while gathering with a host-side index vector became slow host compute.
+    `on_host_K` (bool [K]): move only those rows (a lax.cond around each transfer); the others come back as zeros
+    made on the device. None moves all K.
     """
     data = q.data
+
+    def move(k):
+        return jax.device_put(jax.lax.dynamic_index_in_dim(data, local_K[k], 0, keepdims=False),
+                              jax.memory.Space.Device)
+
     # device_put each expert on its own: stacking them first would be an op on host memory, which XLA turns into
     # slow host compute (seen on the H200: 23 GB/s instead of ~48).
-    rows = [jax.device_put(jax.lax.dynamic_index_in_dim(data, local_K[k], 0, keepdims=False), jax.memory.Space.Device)
-            for k in range(local_K.shape[0])]
+    if on_host_K is None:
+        rows = [move(k) for k in range(local_K.shape[0])]
+    else:
+        shape = data.shape[1:]
+        rows = [jax.lax.cond(on_host_K[k], lambda k=k: move(k), lambda: jnp.zeros(shape, data.dtype))
+                for k in range(local_K.shape[0])]
     return jnp.stack(rows)
 
 
@@ -109,7 +123,8 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
     for i, n in enumerate(STACKS):
         rows = jnp.take(tl.hbm[n].data, jnp.where(tier_K == 0, local_K, 0), axis=0)
         if tl.has_host:  # each gathered host row crosses PCIe: skip it where the layer has no tier-1 expert
-            host = host_rows(tl.host[n], jnp.where(tier_K == 1, local_K, 0))
+            host = host_rows(tl.host[n], jnp.where(tier_K == 1, local_K, 0),
+                             tier_K == 1 if tl.host_fetch == "selected" else None)
             rows = jnp.where((tier_K == 1)[:, None, None], host, rows)
         if tl.source is not None:
             rows = jnp.where(on_ssd[:, None, None], ssd[i], rows)
@@ -131,7 +146,7 @@ def prefetch_experts(tl: TieredLayer, guess_K: jax.Array) -> None:
     io_callback(start, None, guess_K, on_ssd, ordered=False)
 
 
-def place_experts(params: dict, stores, layout) -> dict:
+def place_experts(params: dict, stores, layout, host_fetch: str = "all", lean_margin: float = 0.0) -> dict:
     """`params` with each placed layer's routed stacks replaced by a `TieredLayer` (key "routed") built from the
     stores of a placement (jds41.tiers.stores.build_stores): tier-0 and tier-1 stacks, the tier table, and the
     SSD store as the host source of layers that have experts on the SSD."""
@@ -144,6 +159,16 @@ def place_experts(params: dict, stores, layout) -> dict:
             block["routed"] = TieredLayer(
                 hbm=dict(stores.device.stacks[layer]), host=dict(stores.host.stacks[layer]),
                 tier_E=jnp.asarray(tier_LE[layer], jnp.int32), local_E=jnp.asarray(np.maximum(local_LE[layer], 0)),
-                layer=layer, source=stores.ssd if on_ssd else None, has_host=bool((tier_LE[layer] == 1).any()))
+                lean_margin=jnp.float32(lean_margin),
+                layer=layer, source=stores.ssd if on_ssd else None, has_host=bool((tier_LE[layer] == 1).any()),
+                host_fetch=host_fetch)
         blocks.append(block)
+    return {**params, "blocks": blocks}
+
+
+def with_lean_margin(params: dict, margin: float) -> dict:
+    """`params` with every tiered layer's lean margin set to `margin` (same shapes: no recompilation)."""
+    value = jnp.float32(margin)
+    blocks = [{**b, "routed": dataclasses.replace(b["routed"], lean_margin=value)} if "routed" in b else b
+              for b in params["blocks"]]
     return {**params, "blocks": blocks}

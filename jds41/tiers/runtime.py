@@ -14,6 +14,7 @@ import dataclasses
 import numpy as np
 
 from jds41.tiers.experts import place_experts
+from jds41.tiers.lean_guard import LeanGuard
 from jds41.tiers.placement import Placement, placement_for_model
 from jds41.tiers.profiles import Profile, load_profile
 from jds41.tiers.ssd import ExpertReader
@@ -40,12 +41,16 @@ class TierRuntime:
     lean_swaps: int = 0
     predictions: int = 0  # look-ahead: experts predicted for the next layer
     predictions_correct: int = 0  # ... that the next layer did select
+    guard: LeanGuard | None = None  # the router lean's live quality guard (None: lean off)
 
     def record(self, routing: dict) -> None:
         """Count the selections of T tokens (traced routing: experts [T, n_layers, K], swaps [T, n_layers]) by the
         tier that served them, and the router lean's swaps."""
         routing_TLK = np.asarray(routing["experts"])
-        self.lean_swaps += int(np.asarray(routing["swaps"]).sum())
+        swaps = np.asarray(routing["swaps"])
+        self.lean_swaps += int(swaps.sum())
+        if self.guard is not None:
+            self.guard.observe(swaps[:, [i for i in range(swaps.shape[1]) if i not in self.hash_tables]])
         guess = np.asarray(routing["predicted_next"])[:, :-1]  # layer l's guess for layer l+1
         made = guess[..., 0] >= 0
         if made.any():
@@ -75,6 +80,7 @@ class TierRuntime:
                "router_lean_topk_agreement": round(1 - self.lean_swaps / scored, 6) if scored else None,
                "lookahead": {"predictions": self.predictions, "correct": self.predictions_correct,
                              "accuracy": round(self.predictions_correct / max(self.predictions, 1), 4)},
+               "router_lean": self.guard.stats() if self.guard is not None else None,
                "placement_experts": dict(zip(TIER_NAMES, map(int, self.placement.tier_experts))),
                "placement_bytes": dict(zip(TIER_NAMES, map(int, self.placement.tier_bytes)))}
         for t, name in enumerate(TIER_NAMES):
@@ -103,7 +109,11 @@ def open_tiers(gguf, params: dict, profile_name: str, usage_path: str | None = N
     cfg = gguf.config
     hash_tables = {i: np.asarray(gguf.typed(f"blk.{i}.ffn_gate_tid2eid.weight")).reshape(cfg.vocab_size, -1)
                    for i in range(cfg.n_layers) if cfg.is_hash_layer(i)}
-    return place_experts(params, stores, layout), TierRuntime(profile, placement, layout, reader, stores,
-                                                              tier_LE.astype(np.int64), sizes, hash_tables=hash_tables,
-                                                              routing_k=cfg.n_experts_used,
-                                                              n_scored_layers=cfg.n_layers - len(hash_tables))
+    runtime = TierRuntime(profile, placement, layout, reader, stores, tier_LE.astype(np.int64), sizes,
+                          hash_tables=hash_tables, routing_k=cfg.n_experts_used,
+                          n_scored_layers=cfg.n_layers - len(hash_tables))
+    lean = profile.router_lean
+    if lean.enabled:
+        runtime.guard = LeanGuard(lean.margin, lean.agreement_floor, lean.check_every,
+                                  cfg.n_experts_used * runtime.n_scored_layers)
+    return place_experts(params, stores, layout, profile.host_fetch, lean.margin if lean.enabled else 0.0), runtime
