@@ -57,8 +57,13 @@ def _tree(cfg: ModelConfig, leaf, skip=lambda name: False) -> dict:
 
 def matrix_names(cfg: ModelConfig, with_routed_experts: bool = True) -> list[str]:
     """The bulk tensors (matrices and expert stacks) that a loader reads; vectors are small and come via mmap."""
-    return [n for n, s in model_tensors(cfg).items()
-            if s.kind is Kind.MATRIX or (s.kind is Kind.EXPERTS and with_routed_experts)]
+    return [n for n, s in model_tensors(cfg).items() if not _draft_tensor(n)
+            and (s.kind is Kind.MATRIX or (s.kind is Kind.EXPERTS and with_routed_experts))]
+
+
+def _draft_tensor(name: str) -> bool:
+    """DSpark stages (`mtp.*`): the target step never reads them; the drafter loads its own (speculative.py)."""
+    return name.startswith("mtp.")
 
 
 def load_params(cfg: ModelConfig, model, act_round: str | None = None, raw: dict | None = None,
@@ -71,7 +76,7 @@ def load_params(cfg: ModelConfig, model, act_round: str | None = None, raw: dict
     routed stacks are left out (the tier stores own them)."""
     return _tree(cfg, lambda name, spec: _leaf(spec.kind, model.tensors[name].ggml_type, spec.shape, model, name,
                                                act_round, raw),
-                 skip=lambda name: not with_routed_experts and name.endswith("_exps.weight"))
+                 skip=lambda name: _draft_tensor(name) or (not with_routed_experts and name.endswith("_exps.weight")))
 
 
 def abstract_params(cfg: ModelConfig, types: dict[str, T]) -> dict:
