@@ -4,7 +4,7 @@
   results are committed under experiments/results/ instead.
 - `llamacpp`: needs llama-cpp-python 0.3.36 built from source (`.ci/run` installs it). Without it a developer's
   run skips these tests with the reason; under CI=true a missing llama_cpp is a FAILURE, never a silent skip.
-- `slow`: runs everywhere, CI included (deselect locally with `-m "not slow"`).
+- `slow`: left out of the README's default run (`-m "not slow"`); CI runs them right after it.
 """
 
 from __future__ import annotations
