@@ -190,16 +190,21 @@ def _predict_next(plan: ModelPlan, lp: LayerPlan, params: dict, h_D) -> jax.Arra
     return guess
 
 
+def route_layer(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
+    """Layer lp's routing of one token (hash table, or scores with the router lean where the plan compiled it in)."""
+    cfg = plan.cfg
+    if lp.hash_layer:
+        return route(h_D, w["ffn_gate_inp"], None, cfg, hash_ids_K=w["ffn_gate_tid2eid"][token])
+    lean = None
+    if plan.lean_margin is not None and "routed" in w:  # tier number doubles as the preference rank
+        lean = (w["routed"].tier_E, w["routed"].lean_margin)  # a leaf: the guard may lower it
+    return route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg, lean=lean)
+
+
 def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
     """(FFN output [D], the routed expert ids [K] that produced it, experts the router lean swapped in)."""
     cfg = plan.cfg
-    if lp.hash_layer:
-        r = route(h_D, w["ffn_gate_inp"], None, cfg, hash_ids_K=w["ffn_gate_tid2eid"][token])
-    else:
-        lean = None
-        if plan.lean_margin is not None and "routed" in w:  # tier number doubles as the preference rank
-            lean = (w["routed"].tier_E, w["routed"].lean_margin)  # a leaf: the guard may lower it
-        r = route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg, lean=lean)
+    r = route_layer(plan, lp, w, h_D, token)
     idx, weight = r.idx_K, r.weight_K
     if "routed" in w:  # experts split across HBM / pinned host / SSD (jds41.tiers.experts)
         sel = select_experts(w["routed"], idx, on_miss_only=plan.ssd_call == "on-miss")

@@ -155,15 +155,8 @@ def _guess_next(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, h_D) -> jax.Ar
 
 
 def _route(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_D, token):
-    """model._ffn_block's routing, unchanged: (idx [K], weight [K], swaps)."""
-    cfg = plan.cfg
-    if lp.hash_layer:
-        r = route(h_D, w["ffn_gate_inp"], None, cfg, hash_ids_K=w["ffn_gate_tid2eid"][token])
-    else:
-        lean = None
-        if plan.lean_margin is not None and "routed" in w:
-            lean = (w["routed"].tier_E, w["routed"].lean_margin)  # a leaf: the guard may lower it
-        r = route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg, lean=lean)
+    """model.route_layer, unchanged: (idx [K], weight [K], swaps)."""
+    r = M.route_layer(plan, lp, w, h_D, token)
     return r.idx_K, r.weight_K, r.swaps
 
 
