@@ -61,6 +61,10 @@ def log(msg: str) -> None:
 
 
 def _commit() -> str:
+    """The commit the run used: $JDS41_COMMIT when the launcher sets it (the device box's copy of the tree carried
+    stale git metadata on 2026-11-30: its `git rev-parse HEAD` named the session's first commit), else git's."""
+    if os.environ.get("JDS41_COMMIT"):
+        return os.environ["JDS41_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
