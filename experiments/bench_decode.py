@@ -60,6 +60,15 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - _T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
+def emit(row: dict, out: str | None) -> None:
+    """One result as one JSON line: printed, and appended to `out` when given."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as fh:
+            fh.write(line + "\n")
+
+
 def _commit() -> str:
     """The commit the run used: $JDS41_COMMIT when the launcher sets it (the device box's copy of the tree carried
     stale git metadata on 2026-11-30: its `git rev-parse HEAD` named the session's first commit), else git's."""
@@ -174,8 +183,8 @@ def measure_usage(path: str, usage_path: str, tokens: int, seed: int = 1) -> dic
 
 
 def full_model_bytes(arch: str, quant: str) -> dict:
-    """Routed / shared / dense bytes of the FULL model of `arch` in `quant` (computed from the schema and the
-    synthetic writer's type rules; nothing is written)."""
+    """Routed / shared / Engram / dense bytes, and one expert's, of the FULL model of `arch` in `quant`
+    (computed from the schema and the synthetic writer's type rules; nothing is written)."""
     from jds41.checkpoints import presets
     from jds41.checkpoints.schema import Kind, model_tensors
     from jds41.checkpoints.synth import choose_types, tensor_nbytes
@@ -188,6 +197,7 @@ def full_model_bytes(arch: str, quant: str) -> dict:
         key = ("routed" if spec.kind is Kind.EXPERTS else "shared" if "shexp" in name
                else "engram" if spec.kind is Kind.ROWS else "dense")
         out[key] += n
+    out["expert"] = out["routed"] // (cfg.n_layers * cfg.n_experts)  # one routed expert (gate + up + down)
     return out
 
 
@@ -217,7 +227,7 @@ def profile_json(name: str, arch: str, quant: str, workdir: str) -> str | None:
         from jds41.tiers.profiles import load_profile
 
         shipped = load_profile("h200")
-        slots = shipped.slot_cache_slots * (b["routed"] // (presets_layers(arch) * experts_of(arch)))
+        slots = shipped.slot_cache_slots * b["expert"]
         t0 = max(0, H200_HBM - b["dense"] - b["shared"] - slots - 16 * 2**30)
         t1 = max(0, H200_HOST - 16 * 2**30)
         f0 = min(1.0, t0 / b["routed"])
@@ -261,18 +271,6 @@ def ladder_profile(rung: str, fields: dict, k: int, margin: float, workdir: str)
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
     return path
-
-
-def presets_layers(arch: str) -> int:
-    from jds41.checkpoints import presets
-
-    return presets.preset(arch, "full").n_layers
-
-
-def experts_of(arch: str) -> int:
-    from jds41.checkpoints import presets
-
-    return presets.preset(arch, "full").n_experts
 
 
 # ---- one run ---------------------------------------------------------------------------------------------------
@@ -477,11 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {**common, **run_profile(path, name, a, usage, stream, prompt, prof, loop)}
         ref = ref or row["predictions_sha256"]
         row["same_predictions_as_first"] = row["predictions_sha256"] == ref
-        line = json.dumps(row)
-        print(line, flush=True)
-        if a.out:
-            with open(a.out, "a") as fh:
-                fh.write(line + "\n")
+        emit(row, a.out)
     return 0
 
 

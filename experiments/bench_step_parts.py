@@ -24,7 +24,6 @@ CPU runs check the code path only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -36,7 +35,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import BW, _commit, _machine  # noqa: E402  (sibling script, run as a file)
+from bench_decode import BW, _commit, _machine, emit  # noqa: E402  (sibling script, run as a file)
 
 from jds41 import model as M  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
@@ -162,11 +161,7 @@ def main(argv=None) -> int:
            "routed_bytes": qbytes(*stacks) // cfg.n_experts * K,
            "head_bytes": qbytes(params["output"]),
            "expert_formats": expert_formats(cfg, expert[2], expert[1], a.reps, limit)}
-    line = json.dumps(row)
-    print(line)
-    if a.out:
-        with open(a.out, "a") as fh:
-            fh.write(line + "\n")
+    emit(row, a.out)
     return 0
 
 

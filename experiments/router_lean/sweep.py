@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_decode import BW, _commit, _machine, static_bytes  # noqa: E402  (sibling script)
+from bench_decode import BW, _commit, _machine, emit, static_bytes  # noqa: E402  (sibling script)
 
 from jds41.decode_loop import greedy_generate  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
@@ -182,11 +182,8 @@ def main(argv=None) -> list[dict]:
         ref = ref or row
         rows.append(row)
     out = [{**common, **{k: v for k, v in r.items() if not k.startswith("_")}} for r in rows]
-    for line in out:
-        print(json.dumps(line), flush=True)
-        if a.out:
-            with open(a.out, "a") as fh:
-                fh.write(json.dumps(line) + "\n")
+    for row in out:
+        emit(row, a.out)
     if a.table:
         with open(a.table, "w") as fh:
             fh.write(table(out))
