@@ -21,6 +21,7 @@ from jds41.checkpoints import open_model
 from jds41.checkpoints import orbax_layout as F
 from jds41.checkpoints.convert import ConvertError, convert
 from jds41.checkpoints.orbax_model import OrbaxModel
+from jds41.checkpoints.orbax_stacks import read_layer_stacks
 from jds41.engine import Engine
 from jds41.errors import ModelFileError
 from jds41.tiers.ssd import ExpertReadError
@@ -67,6 +68,21 @@ def test_every_tensor_byte_and_key_survives(converted, arch):
             assert np.array_equal(ckpt.raw(name), gguf.raw(name)), name
         for el in ckpt.expert_layers.values():  # every chunk starts on a 4 KiB boundary: O_DIRECT reads it
             assert el.stride % 4096 == 0 and all(el.chunk_offset(e) % 4096 == 0 for e in range(el.n_experts))
+
+
+@pytest.mark.parametrize("experts_per_batch", [1, 3])
+def test_batched_stack_reads_match_the_gguf(converted, experts_per_batch):
+    """The loader's bulk read in several batches (bounce buffers reused, a short last batch) gives the GGUF's
+    stacks byte for byte."""
+    src, dst = converted["deepseek41"]
+    with open_model(src) as gguf, open_model(dst) as ckpt:
+        for layer, el in ckpt.expert_layers.items():
+            assert experts_per_batch == 1 or el.n_experts % experts_per_batch  # 3: a short last batch
+            stacks = read_layer_stacks(ckpt.experts_path, el, ckpt.check_expert,
+                                       batch_bytes=el.stride * experts_per_batch + 1)
+            for kind, stack in stacks.items():
+                want = gguf.raw(f"blk.{layer}.ffn_{kind}_exps.weight")
+                assert np.array_equal(stack.reshape(want.shape), want), (layer, kind)
 
 
 @pytest.mark.slow

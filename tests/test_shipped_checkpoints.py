@@ -15,20 +15,44 @@ import pytest
 from jds41.checkpoints import open_model
 
 ROOT = Path(__file__).resolve().parents[1]
-MANIFEST = json.loads((ROOT / "checkpoints" / "MANIFEST.json").read_text())["files"]
+CKPT = ROOT / "checkpoints"
+
+
+def _sha_table(manifest: Path) -> dict[str, str]:
+    return {name: f["sha256"] for name, f in json.loads(manifest.read_text())["files"].items()}
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+_INDEX = json.loads((CKPT / "MANIFEST.json").read_text())
+MANIFEST = _INDEX["files"]  # synthetic files: each rebuilt bit for bit by its recorded command
+# trained models: training is not bit-reproducible, so each model's own manifest holds the checksums of its files
+TRAINED = {name: sha for entry in _INDEX.get("trained", {}).values()
+           for name, sha in _sha_table(CKPT / entry["manifest"]).items()}
+
+
 def test_manifest_lists_every_shipped_file():
-    assert sorted(p.name for p in (ROOT / "checkpoints").glob("*.gguf")) == sorted(MANIFEST)
+    assert sorted(p.name for p in CKPT.glob("*.gguf")) == sorted([*MANIFEST, *(n for n in TRAINED
+                                                                              if n.endswith(".gguf"))])
+
+
+@pytest.mark.parametrize("name", sorted(TRAINED))
+def test_trained_files_match_their_manifest(name):
+    assert _sha256(CKPT / name) == TRAINED[name]
+
+
+@pytest.mark.parametrize("entry", sorted(_INDEX.get("trained", {})))
+def test_trained_model_opens_from_its_first_shard(entry):
+    first = sorted(n for n in TRAINED if n.startswith(entry) and n.endswith(".gguf"))[0]
+    with open_model(CKPT / first) as m:
+        assert m.config.arch == "deepseek41" and m.config.n_layers == 8 and len(m.shards) == 4
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST))
 def test_shipped_file_checksum_and_validation(name):
-    path = ROOT / "checkpoints" / name
+    path = CKPT / name
     assert _sha256(path) == MANIFEST[name]["sha256"]
     with open_model(path) as m:
         assert m.config.n_layers > 0

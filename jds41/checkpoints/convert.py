@@ -175,16 +175,16 @@ class Conversion:
         for piece_id, record in done.items():
             kind, _, rest = piece_id.partition(":")
             if kind == "metadata":
-                manifest["metadata_blake2b"] = record
+                manifest["metadata_digest"] = record
             elif kind == "dense":
                 for name, h in record.items():
-                    manifest["tensors"][name]["blake2b"] = h
+                    manifest["tensors"][name]["digest"] = h
             elif kind == "experts":
                 layer, e0 = (int(x) for x in rest.split(":"))
                 manifest["expert_chunks"][str(layer)][e0:e0 + len(record)] = record
             elif kind == "rows":
                 name, part = rest.rsplit(":", 1)
-                parts = manifest["tensors"][name].setdefault("blake2b", [])
+                parts = manifest["tensors"][name].setdefault("digest", [])
                 parts.extend([None] * (int(part) + 1 - len(parts)))
                 parts[int(part)] = record
         F.write_json(os.path.join(work, F.MANIFEST), manifest)

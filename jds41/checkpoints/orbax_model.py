@@ -169,7 +169,7 @@ class OrbaxModel:
 
     def _check_dense(self, name: str, arr: np.ndarray) -> None:
         info, entry = self.tensors[name], self.manifest["tensors"][name]
-        if arr.nbytes != info.n_bytes or F.digest(arr) != entry["blake2b"]:
+        if arr.nbytes != info.n_bytes or F.digest(arr) != entry["digest"]:
             where = os.path.join(self.path, F.DENSE_DIR, entry["item"], entry["key"])
             raise ModelFileError(where, f"checksum mismatch: the stored bytes are not the converted ones "
                                         f"({arr.nbytes} bytes)", tensor=name)
@@ -203,7 +203,7 @@ class OrbaxModel:
             with self._lock:
                 if self.verify == "first" and key in self._verified:
                     return None
-        h = hashlib.blake2b(digest_size=16)
+        h = hashlib.sha256()
         for p in pieces:
             h.update(memoryview(np.ascontiguousarray(p).reshape(-1).view(np.uint8)))
         if h.hexdigest() != self.manifest["expert_chunks"][str(layer)][expert]:
@@ -225,18 +225,9 @@ class OrbaxModel:
         return self._read_stacks(entry["layer"])[entry["kind"]].reshape(info.n_rows, info.row_bytes)
 
     def _read_stacks(self, layer: int) -> dict[str, np.ndarray]:
-        from jds41.tiers.ssd import ExpertReadError
+        from jds41.checkpoints.orbax_stacks import read_layer_stacks
 
-        el = self.expert_layers[layer]
-        bufs = {k: np.empty((el.n_experts, n), np.uint8) for k, n in zip(F.EXPERT_KINDS, el.piece_bytes)}
-        keys = [(layer, e) for e in range(el.n_experts)]
-        with self.expert_reader() as reader:
-            try:
-                reader.read(keys, out={k: [bufs[kind][k[1]] for kind in F.EXPERT_KINDS] for k in keys},
-                            timeout=max(reader.timeout_s, el.n_experts * el.stride / 20e6))
-            except ExpertReadError as e:
-                raise ModelFileError(e.path, e.reason, tensor=f"blk.{e.layer}.ffn_gate_exps.weight") from e
-        return bufs
+        return read_layer_stacks(self.experts_path, self.expert_layers[layer], self.check_expert)
 
     def _rows(self) -> np.memmap:
         if self._closed:
@@ -289,7 +280,7 @@ class OrbaxModel:
             if e["store"] == "orbax":
                 items.setdefault(e["item"], []).append(name)
             elif e["store"] == "rows":
-                for i, want in enumerate(e["blake2b"]):
+                for i, want in enumerate(e["digest"]):
                     lo = i * e["part_bytes"]
                     n = min(e["part_bytes"], e["n_bytes"] - lo)
                     if F.digest(F.read_range(self.rows_path, e["offset"] + lo, n)) != want:
@@ -369,7 +360,7 @@ def _open(path: str, verify: str) -> OrbaxModel:
                                             f", expected {F.FORMAT!r} version {F.VERSION}")
     with open(os.path.join(path, F.METADATA), "rb") as f:
         blob = f.read()
-    if F.digest(blob) != manifest["metadata_blake2b"]:
+    if F.digest(blob) != manifest["metadata_digest"]:
         raise ModelFileError(os.path.join(path, F.METADATA), "checksum mismatch", tensor=F.METADATA)
     for name, size in ((F.EXPERTS_FILE, manifest["experts_bytes"]), (F.ROWS_FILE, manifest["rows_bytes"])):
         p = os.path.join(path, name)

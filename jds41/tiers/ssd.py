@@ -284,6 +284,10 @@ class ExpertReader:
         self.files = DirectFiles(direct=direct, align=align, open_fn=open_fn, read_fn=read_fn)
         self.stats = self.files.stats
         self._pool = cf.ThreadPoolExecutor(threads, thread_name_prefix="jds41-ssd")
+        # Checksums (Orbax chunks) run on their own pool: hashing one expert takes as long as reading it, so a
+        # request's experts are hashed in parallel, and a finishing request never waits on the reader threads.
+        self._check_pool = (cf.ThreadPoolExecutor(threads, thread_name_prefix="jds41-check")
+                            if layout.check is not None else None)
         self._pending: set[cf.Future] = set()  # unsettled requests: close() fails them so no waiter is left
 
     def submit(self, keys: Iterable[Key], out: dict | None = None) -> cf.Future:
@@ -321,11 +325,17 @@ class ExpertReader:
         return result
 
     def _check(self, keys: list[Key], dests: dict) -> ReadFault | None:
-        for k in keys:
+        def one(k: Key) -> str | None:
             try:
-                why = self.layout.check(k, dests[k][1])
+                return self.layout.check(k, dests[k][1])
             except Exception as e:  # noqa: BLE001 - the request must settle, never leave its waiter hanging
-                why = f"checking the bytes failed: {type(e).__name__}: {e}"
+                return f"checking the bytes failed: {type(e).__name__}: {e}"
+
+        try:
+            reasons = list(self._check_pool.map(one, keys)) if len(keys) > 1 else [one(k) for k in keys]
+        except RuntimeError as e:  # the check pool was shut down by close()
+            return ReadFault(self.layout.pieces(keys[0])[0][0], f"reader closed: {e}", owners=(keys[0],))
+        for k, why in zip(keys, reasons):
             if why:
                 return ReadFault(self.layout.pieces(k)[0][0], why, owners=(k,))
         return None
@@ -389,6 +399,8 @@ class ExpertReader:
         # Running chunks finish (a thread cannot be interrupted mid-read); queued ones are dropped, and the
         # requests they belonged to fail now instead of leaving their waiters to time out.
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._check_pool is not None:
+            self._check_pool.shutdown(wait=False, cancel_futures=True)
         with self.files._lock:
             pending, self._pending = list(self._pending), set()
         for fut in pending:
