@@ -271,11 +271,14 @@ def ffn(cfg: ModelConfig, layer: int, w, buf, h_BTD, tokens_BT, dtype, block, co
 
 
 def forward(cfg: ModelConfig, params: dict, buffers: dict, tokens_BT, engram_ids=None, dtype=F32, block: int = 256,
-            remat: bool = False, count_mask=None):
+            remat: bool = False, count_mask=None, feature_layers: tuple[int, ...] = ()):
     """Logits [B, T, V] f32 and aux {"counts" [n_layers, E], "balance" [n_layers], "indexer" scalar}.
 
     `engram_ids` int32 [B, T, n_engram_layers, n_buckets] (host hash, each sequence starting fresh);
     `count_mask` [B, T] (optional) weights each position's expert selections in "counts" (0 = padding).
+    `feature_layers` (static; e.g. the DSpark target layers) adds aux["features"] f32 [B, T, len, D]: each listed
+    layer's block input (after Engram, before hc_pre) averaged over the hc copies, what `jds41.model.step` reports
+    as its features, so the drafter (draft_forward.py) trains on the engine's features.
     """
     if not cfg.hc_lag or cfg.shared_kv:
         raise ValueError("the training forward implements deepseek41 in the V4 per-layer layout only")
@@ -283,7 +286,7 @@ def forward(cfg: ModelConfig, params: dict, buffers: dict, tokens_BT, engram_ids
     B, T = tokens_BT.shape
     x = jnp.broadcast_to(params["token_embd"].astype(F32)[tokens_BT][:, :, None, :], (B, T, Hc, cfg.dim))
     pre_prev = jnp.broadcast_to(jnp.zeros((Hc,), F32).at[0].set(1.0), (B, T, Hc))
-    counts, bals, idx_losses = [], [], []
+    counts, bals, idx_losses, features = [], [], [], {}
     for layer in range(cfg.n_layers):
         w, buf = params["blocks"][layer], buffers["blocks"][layer]
         ids = None
@@ -294,6 +297,7 @@ def forward(cfg: ModelConfig, params: dict, buffers: dict, tokens_BT, engram_ids
             if ids is not None:
                 x = engram_combine(x, w["engram_embd"], ids, w["engram_wkv"], w["engram_q"], w["engram_k"],
                                    cfg.rms_eps, dtype)
+            feat = jnp.mean(x.astype(F32), axis=-2) if layer in feature_layers else None
             aux = []
             for branch in ("attn", "ffn"):
                 mix = hc_mix(x, w[f"hc_{branch}_fn"], cfg.rms_eps)
@@ -308,16 +312,21 @@ def forward(cfg: ModelConfig, params: dict, buffers: dict, tokens_BT, engram_ids
                     aux += [cnt, bal]
                 x = hc_expand(x, out, post, comb)
                 pre_prev = pre
-            return x, pre_prev, aux
+            return x, pre_prev, aux, feat
 
         fn = jax.checkpoint(block_fn) if remat else block_fn
-        x, pre_prev, (idx_loss, cnt, bal) = fn(x, pre_prev, w, ids)
+        x, pre_prev, (idx_loss, cnt, bal), feat = fn(x, pre_prev, w, ids)
+        if feat is not None:
+            features[layer] = feat
         counts.append(cnt)
         bals.append(bal)
         idx_losses.append(idx_loss)
     y = rms_norm(hc_collapse(x, pre_prev), params["output_norm"], cfg.rms_eps)
     logits = mm(y, params["output"], dtype)
-    return logits, {"counts": jnp.stack(counts), "balance": jnp.stack(bals), "indexer": sum(idx_losses)}
+    aux = {"counts": jnp.stack(counts), "balance": jnp.stack(bals), "indexer": sum(idx_losses)}
+    if feature_layers:
+        aux["features"] = jnp.stack([features[i] for i in feature_layers], axis=2)
+    return logits, aux
 
 
 def engram_ids_batch(hasher, tokens_BT: np.ndarray) -> np.ndarray:
