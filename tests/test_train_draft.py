@@ -125,3 +125,55 @@ def test_target_features_equal_engine_step_features():
     np.testing.assert_allclose(np.asarray(aux["features"])[0], ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
     # and the logits stay the engine's (the feature output changes nothing else)
     np.testing.assert_allclose(np.asarray(got_logits)[0], np.asarray(logits), atol=1e-4 * np.abs(logits).max(), rtol=0)
+
+
+def test_exported_draft_file_opens_and_proposes_like_the_float_drafter(tmp_path):
+    from experiments.train.draft_export import plan_bytes, quantized_draft, write_draft_gguf
+    from experiments.train.frozen import decoded_trees
+    from jds41.checkpoints import open_model
+    from jds41.engine import Engine
+
+    engine = Engine.open(TINY_MODEL, max_ctx=64)
+    dcfg, params, buffers, _ = random_drafter(engine.cfg, seed=7)
+    tparams, _ = decoded_trees(engine.gguf)
+    shared = {"token_embd": tparams["token_embd"], "output": tparams["output"]}
+    stored, types, dec_p, dec_b = quantized_draft(dcfg, params, buffers, "mxfp4")
+    path = write_draft_gguf(tmp_path / "d.gguf", dcfg, stored, types, TINY_MODEL, {"general.name": ("d", "str")})
+    with open_model(path) as m:
+        assert m.config == dcfg
+        assert sum(t.n_bytes for t in m.tensors.values()) == plan_bytes(dcfg, "mxfp4")
+        assert m.tensors["mtp.0.ffn_gate_exps.weight"].ggml_type == T.MXFP4
+        assert m.tensors["mtp.0.attn_q_a.weight"].ggml_type == T.Q8_0
+    drafter = DSparkDrafter.open(engine, path)  # runs check_compatible against the target
+
+    Tn, K = 24, dcfg.dspark.block_size
+    rng = np.random.default_rng(8)
+    tokens = rng.integers(8, dcfg.vocab_size, Tn)
+    feats = rng.standard_normal((Tn, len(dcfg.dspark.target_layer_ids), dcfg.dim)).astype(np.float32)
+    anchors = (3, 12, 23)
+    got = {}
+    for p in anchors:
+        drafter.reset()
+        drafter.observe(jnp.asarray(feats[:p]), 0, p)
+        toks, conf, logits = dspark.propose(drafter.plan, drafter.params, drafter.shared, drafter.state,
+                                            jnp.int32(tokens[p]), jnp.int32(p))
+        got[p] = (np.asarray(toks), np.asarray(logits))
+    markov = np.zeros((Tn, K), np.int32)
+    for p, (toks, _) in got.items():
+        markov[p] = [tokens[p], *toks[:-1]]
+
+    def fwd(p, b):
+        return np.asarray(jax.jit(lambda: draft_forward(
+            dcfg, jax.tree.map(jnp.asarray, p), jax.tree.map(jnp.asarray, b), jax.tree.map(jnp.asarray, shared),
+            jnp.asarray(tokens[None]), jnp.asarray(feats[None]), jnp.asarray(markov[None]), block=4))()[0])[0]
+
+    shipped, master = fwd(dec_p, dec_b), fwd(params, buffers)
+    for p, (_, logits) in got.items():
+        scale = np.abs(logits).max()
+        # the file holds exactly the decoded values: the engine on it is the float forward on them
+        np.testing.assert_allclose(shipped[p], logits, atol=1e-4 * scale, rtol=0)
+        # and the float master copy differs by quantization only (MXFP4 experts, Q8_0 matrices)
+        err = np.abs(master[p] - logits).mean() / np.abs(logits).mean()
+        assert err < 0.1, err
+    agree = np.mean([(master[p].argmax(-1) == got[p][0]).mean() for p in anchors])
+    assert agree >= 0.6, agree
