@@ -204,8 +204,8 @@ def train_draft(dcfg: ModelConfig, tc: DraftTrainConfig, state: dict, shared, st
         else:
             t_steps.append(dt)
         step += 1
-        row = {"loss": loss, "kl": np.asarray(m["kl"]).round(4).tolist(), "ce": np.asarray(m["ce"]).round(4).tolist(),
-               "agree": np.asarray(m["agree"]).round(4).tolist(), "bce": np.asarray(m["bce"]).round(4).tolist()}
+        row = {"loss": loss,
+               **{k: np.asarray(m[k], np.float64).round(4).tolist() for k in ("kl", "ce", "agree", "bce")}}
         history.append(row)
         if total is None and deadline is not None and len(t_steps) == plan_after:
             per = float(np.median(t_steps))
