@@ -22,7 +22,7 @@ from gguf import GGMLQuantizationType as T
 from train_helpers import engine_params, tiny_setup
 
 from experiments.train.draft_forward import draft_forward
-from experiments.train.draft_train import init_draft_params, short_name
+from experiments.train.draft_train import init_draft_params, short_name, target_fn
 from experiments.train.forward import engram_ids_batch, forward
 from experiments.train.frozen import draft_config
 from jds41 import model as M
@@ -119,12 +119,16 @@ def test_target_features_equal_engine_step_features():
     logits, _, feats = M.prefill(plan, eparams, M.init_state(plan), jnp.asarray(tokens, jnp.int32), rows, False,
                                  layers)
     ids = jnp.asarray(engram_ids_batch(hasher, tokens[None]))
-    got_logits, aux = jax.jit(lambda p, b: forward(cfg, p, b, jnp.asarray(tokens[None], jnp.int32), ids, block=4,
-                                                   feature_layers=layers))(jax.tree.map(jnp.asarray, params),
-                                                                           jax.tree.map(jnp.asarray, buffers))
+    # the drafter's frozen-target program itself (looped Sinkhorn), and forward.py's default path
+    got_feats, got_logits = target_fn(cfg, layers, "float32", jax.tree.map(jnp.asarray, params),
+                                      jax.tree.map(jnp.asarray, buffers), jnp.asarray(tokens[None], jnp.int32), ids)
+    _, aux = jax.jit(lambda p, b: forward(cfg, p, b, jnp.asarray(tokens[None], jnp.int32), ids, block=4,
+                                          feature_layers=layers))(jax.tree.map(jnp.asarray, params),
+                                                                  jax.tree.map(jnp.asarray, buffers))
     ref = np.asarray(feats)
     assert ref.shape == (len(tokens), len(layers), cfg.dim)
-    np.testing.assert_allclose(np.asarray(aux["features"])[0], ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
+    for got in (got_feats, aux["features"]):
+        np.testing.assert_allclose(np.asarray(got)[0], ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
     # and the logits stay the engine's (the feature output changes nothing else)
     np.testing.assert_allclose(np.asarray(got_logits)[0], np.asarray(logits), atol=1e-4 * np.abs(logits).max(), rtol=0)
 

@@ -151,7 +151,7 @@ def draft_forward(dcfg: ModelConfig, params: dict, buffers: dict, shared: dict, 
         for branch in ("attn", "ffn"):
             mix = hc_mix(x, w[f"hc_{branch}_fn"], dcfg.rms_eps)
             pre, post, comb = hc_split(mix, w[f"hc_{branch}_scale"].astype(F32), w[f"hc_{branch}_base"].astype(F32),
-                                       dcfg.hc_eps, dcfg.hc_sinkhorn_iters, Hc)
+                                       dcfg.hc_eps, dcfg.hc_sinkhorn_iters, Hc, loop=True)
             h = rms_norm(hc_collapse(x, pre), w[f"{branch}_norm"], dcfg.rms_eps)
             if branch == "attn":
                 out = _attention(dcfg, s, w, h, inj[s], pos_TK, dtype)

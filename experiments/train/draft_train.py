@@ -91,7 +91,8 @@ def shared_of(target_params: dict) -> dict:
 def target_fn(cfg: ModelConfig, feature_layers: tuple[int, ...], dtype: str, params, buffers, tokens_BT, ids):
     """(features [B, T, n_targets, D], logits [B, T, V]) of the frozen target, teacher-forced."""
     dt = jnp.bfloat16 if dtype == "bfloat16" else F32
-    logits, aux = forward(cfg, params, buffers, tokens_BT, ids, dtype=dt, block=256, feature_layers=feature_layers)
+    logits, aux = forward(cfg, params, buffers, tokens_BT, ids, dtype=dt, block=256, feature_layers=feature_layers,
+                          sinkhorn_loop=True)
     return aux["features"], logits
 
 
