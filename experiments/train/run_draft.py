@@ -214,9 +214,7 @@ def main(argv=None) -> int:  # noqa: C901 (one linear pipeline, as run.py)
     def compile_step():
         t0 = time.time()
         abstract = jax.eval_shape(lambda p, b: dt.init_state(tc, p, b), dparams, dbuffers)
-        shapes = jax.eval_shape(lambda p, b, tok, i: dt.target_fn(cfg, layers, tc.target_dtype, p, b, tok, i),
-                                tparams, tbuffers, sds((B, T), jnp.int32),
-                                sds((B, T, len(e.layer_ids), e.n_buckets), jnp.int32))
+        shapes = (sds((B, T, len(layers), cfg.dim), jnp.float32), sds((B, T, cfg.vocab_size), jnp.float32))
         shared_sds = jax.tree.map(lambda x: sds(x.shape, x.dtype), shared)
         compiled["step"] = dt.train_step.lower(dcfg, tc, abstract, shared_sds, sds((B, T + 1), jnp.int32), *shapes,
                                                sds((), jnp.float32)).compile()
