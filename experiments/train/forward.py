@@ -61,15 +61,23 @@ def hc_mix(x_BTHD, fn, eps):
     return jnp.einsum("...k,mk->...m", xn, fn.astype(F32), precision=jax.lax.Precision.HIGHEST)
 
 
-def hc_split(mix, scale, base, hc_eps, iters, H):
+def hc_split(mix, scale, base, hc_eps, iters, H, loop: bool = False):
+    """`loop` runs the Sinkhorn iterations as a fori_loop (as jds41.layers.mhc does) instead of unrolled: the same
+    arithmetic, a graph with one iteration instead of `iters` (half the drafter step's compile time on a CPU)."""
     pre = jax.nn.sigmoid(mix[..., :H] * scale[0] + base[:H]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(mix[..., H:2 * H] * scale[1] + base[H:2 * H])
     logits = (mix[..., 2 * H:] * scale[2] + base[2 * H:]).reshape(*mix.shape[:-1], H, H)
     c = jax.nn.softmax(logits, axis=-1) + hc_eps
     c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
-    for _ in range(iters - 1):
+
+    def body(_, c):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
-        c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+
+    if loop:
+        return pre, post, jax.lax.fori_loop(0, iters - 1, body, c)
+    for i in range(iters - 1):
+        c = body(i, c)
     return pre, post, c
 
 
@@ -271,11 +279,15 @@ def ffn(cfg: ModelConfig, layer: int, w, buf, h_BTD, tokens_BT, dtype, block, co
 
 
 def forward(cfg: ModelConfig, params: dict, buffers: dict, tokens_BT, engram_ids=None, dtype=F32, block: int = 256,
-            remat: bool = False, count_mask=None):
+            remat: bool = False, count_mask=None, feature_layers: tuple[int, ...] = (), sinkhorn_loop: bool = False):
     """Logits [B, T, V] f32 and aux {"counts" [n_layers, E], "balance" [n_layers], "indexer" scalar}.
 
     `engram_ids` int32 [B, T, n_engram_layers, n_buckets] (host hash, each sequence starting fresh);
     `count_mask` [B, T] (optional) weights each position's expert selections in "counts" (0 = padding).
+    `feature_layers` (static; e.g. the DSpark target layers) adds aux["features"] f32 [B, T, len, D]: each listed
+    layer's block input (after Engram, before hc_pre) averaged over the hc copies, what `jds41.model.step` reports
+    as its features, so the drafter (draft_forward.py) trains on the engine's features. `sinkhorn_loop`: see
+    hc_split (the drafter's frozen-target forward uses it to compile faster).
     """
     if not cfg.hc_lag or cfg.shared_kv:
         raise ValueError("the training forward implements deepseek41 in the V4 per-layer layout only")
@@ -283,7 +295,7 @@ def forward(cfg: ModelConfig, params: dict, buffers: dict, tokens_BT, engram_ids
     B, T = tokens_BT.shape
     x = jnp.broadcast_to(params["token_embd"].astype(F32)[tokens_BT][:, :, None, :], (B, T, Hc, cfg.dim))
     pre_prev = jnp.broadcast_to(jnp.zeros((Hc,), F32).at[0].set(1.0), (B, T, Hc))
-    counts, bals, idx_losses = [], [], []
+    counts, bals, idx_losses, features = [], [], [], {}
     for layer in range(cfg.n_layers):
         w, buf = params["blocks"][layer], buffers["blocks"][layer]
         ids = None
@@ -294,11 +306,13 @@ def forward(cfg: ModelConfig, params: dict, buffers: dict, tokens_BT, engram_ids
             if ids is not None:
                 x = engram_combine(x, w["engram_embd"], ids, w["engram_wkv"], w["engram_q"], w["engram_k"],
                                    cfg.rms_eps, dtype)
+            feat = jnp.mean(x.astype(F32), axis=-2) if layer in feature_layers else None
             aux = []
             for branch in ("attn", "ffn"):
                 mix = hc_mix(x, w[f"hc_{branch}_fn"], cfg.rms_eps)
                 pre, post, comb = hc_split(mix, w[f"hc_{branch}_scale"].astype(F32),
-                                           w[f"hc_{branch}_base"].astype(F32), cfg.hc_eps, cfg.hc_sinkhorn_iters, Hc)
+                                           w[f"hc_{branch}_base"].astype(F32), cfg.hc_eps, cfg.hc_sinkhorn_iters, Hc,
+                                           sinkhorn_loop)
                 h = rms_norm(hc_collapse(x, pre_prev), w[f"{branch}_norm"], cfg.rms_eps)
                 if branch == "attn":
                     out, idx_loss = attention(cfg, layer, w, h, dtype)
@@ -308,16 +322,21 @@ def forward(cfg: ModelConfig, params: dict, buffers: dict, tokens_BT, engram_ids
                     aux += [cnt, bal]
                 x = hc_expand(x, out, post, comb)
                 pre_prev = pre
-            return x, pre_prev, aux
+            return x, pre_prev, aux, feat
 
         fn = jax.checkpoint(block_fn) if remat else block_fn
-        x, pre_prev, (idx_loss, cnt, bal) = fn(x, pre_prev, w, ids)
+        x, pre_prev, (idx_loss, cnt, bal), feat = fn(x, pre_prev, w, ids)
+        if feat is not None:
+            features[layer] = feat
         counts.append(cnt)
         bals.append(bal)
         idx_losses.append(idx_loss)
     y = rms_norm(hc_collapse(x, pre_prev), params["output_norm"], cfg.rms_eps)
     logits = mm(y, params["output"], dtype)
-    return logits, {"counts": jnp.stack(counts), "balance": jnp.stack(bals), "indexer": sum(idx_losses)}
+    aux = {"counts": jnp.stack(counts), "balance": jnp.stack(bals), "indexer": sum(idx_losses)}
+    if feature_layers:
+        aux["features"] = jnp.stack([features[i] for i in feature_layers], axis=2)
+    return logits, aux
 
 
 def engram_ids_batch(hasher, tokens_BT: np.ndarray) -> np.ndarray:
