@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_decode import BW, _commit, _machine, emit, static_bytes  # noqa: E402  (sibling script)
+from bench_decode import BW, _commit, _machine, emit, full_model_bytes, static_bytes  # noqa: E402  (sibling script)
 
 from jds41.decode_loop import greedy_generate  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
@@ -42,6 +42,36 @@ def sweep_profile(name: str, max_margin: float, workdir: str) -> str:
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
     return path
+
+
+def full_size_traffic(arch: str = "deepseek41", quant: str = "ds4-q2") -> dict:
+    """Per-token bytes of the FULL model of `arch` in `quant` that do not depend on placement: the dense weights
+    the GPU reads (embedding: one row), one routed expert, selections per token, Engram row bytes."""
+    from jds41.checkpoints import presets
+    from jds41.checkpoints.schema import model_tensors
+    from jds41.checkpoints.synth import choose_types, tensor_nbytes
+
+    cfg = presets.preset(arch, "full")
+    b = full_model_bytes(arch, quant)
+    types, _ = choose_types(cfg, quant)
+    embd = tensor_nbytes(model_tensors(cfg)["token_embd.weight"].shape, types["token_embd.weight"])
+    engram = len(cfg.engram.layer_ids) * cfg.engram.n_buckets * cfg.engram.row_bytes if cfg.engram else 0
+    return {"arch": arch, "quant": quant, "dense": b["dense"] + b["shared"] - embd + embd // cfg.vocab_size,
+            "expert": b["expert"], "selections": cfg.n_experts_used * cfg.n_layers, "engram": engram}
+
+
+def projected_roofline(share: dict, full: dict) -> float:
+    """Roofline tok/s of the full model when its selections fall on the tiers in the measured shares (every
+    selected expert is read from HBM once it is there; host and SSD ones cross PCIe, SSD ones are read from disk;
+    no slot-cache hits counted, so the SSD term is an upper bound on traffic)."""
+    sel = full["selections"] * full["expert"]
+    hbm = full["dense"] + sel
+    pcie = sel * (share["host"] + share["ssd"]) + full["engram"]
+    ssd = sel * share["ssd"]
+    return 1.0 / max(hbm / BW["hbm"], pcie / BW["pcie"], ssd / BW["ssd"])
+
+
+FULL = full_size_traffic()
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -85,6 +115,7 @@ def evaluate_margin(engine, margin: float, sequences: list[list[int]], prompts: 
            "tier_share": {t: round(float(lk[i] / max(lk.sum(), 1)), 4) for i, t in enumerate(("hbm", "host", "ssd"))},
            "expert_bytes_per_token": {t: int(per_tier[i]) for i, t in enumerate(("hbm", "host", "ssd"))},
            "roofline_tok_s": round(roofline, 2)}
+    row["full_size_roofline_tok_s"] = round(projected_roofline(row["tier_share"], FULL), 2)
     if text_bytes:
         row["bits_per_byte"] = round(nll_bits / text_bytes, 5)
     row["_logps"], row["_gens"] = logps, gens
@@ -99,13 +130,16 @@ def evaluate_margin(engine, margin: float, sequences: list[list[int]], prompts: 
                     "greedy_common_prefix_mean": round(float(np.mean(prefix)), 2),
                     "bits_per_token_delta_pct": round(100 * (row["bits_per_token"] / reference["bits_per_token"] - 1),
                                                       4),
-                    "roofline_speedup": round(roofline / reference["roofline_tok_s"], 4)})
+                    "roofline_speedup": round(roofline / reference["roofline_tok_s"], 4),
+                    "full_size_speedup": round(row["full_size_roofline_tok_s"] / reference["full_size_roofline_tok_s"],
+                                               4)})
     return row
 
 
 def table(rows: list[dict]) -> str:
     head = ("| margin | top-k agreement | KL (nats) | top-1 agreement | greedy agreement | bits/token (+%) | "
-            "HBM / host / SSD share | roofline tok/s (x) |\n|---|---|---|---|---|---|---|---|\n")
+            "HBM / host / SSD share | roofline tok/s (x) | full-size roofline tok/s (x) |\n"
+            "|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         sh = r["tier_share"]
@@ -113,7 +147,8 @@ def table(rows: list[dict]) -> str:
                      f"{r.get('top1_agreement', 1):.4f} | {r.get('greedy_agreement', 1):.4f} | "
                      f"{r['bits_per_token']:.4f} ({r.get('bits_per_token_delta_pct', 0):+.2f}%) | "
                      f"{sh['hbm']:.3f} / {sh['host']:.3f} / {sh['ssd']:.3f} | "
-                     f"{r['roofline_tok_s']:.1f} ({r.get('roofline_speedup', 1):.3f}) |")
+                     f"{r['roofline_tok_s']:.1f} ({r.get('roofline_speedup', 1):.3f}) | "
+                     f"{r['full_size_roofline_tok_s']:.2f} ({r.get('full_size_speedup', 1):.3f}) |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -140,6 +175,19 @@ def plot(rows: list[dict], path: str) -> bool:
     return True
 
 
+def read_texts(path: str, kind: str | None = None) -> list[str]:
+    """Documents of a text file (one per line) or of JSON Lines of {"text", "kind"} such as the shipped held-out
+    set (`.xz` read as such); `kind` keeps only that kind."""
+    import lzma
+
+    with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as fh:
+        lines = [line for line in fh if line.strip()]
+    if lines and lines[0].lstrip().startswith("{"):
+        recs = [json.loads(line) for line in lines]
+        return [r["text"] for r in recs if kind is None or r.get("kind") == kind]
+    return [line.rstrip("\n") for line in lines]
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -147,6 +195,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--usage", default=None, help="usage.json to place by (default: the profile's source)")
     ap.add_argument("--margins", default="0,0.01,0.02,0.05,0.1")
     ap.add_argument("--texts", default=None, help="evaluation text, one document per line (needs a tokenizer)")
+    ap.add_argument("--kind", default=None, help="with JSON Lines texts: only documents of this `kind` (code, prose)")
+    ap.add_argument("--max-docs", type=int, default=None, help="with --texts: the first N documents")
     ap.add_argument("--random-tokens", type=int, default=256, help="without --texts: this many random token ids")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per teacher-forced sequence")
     ap.add_argument("--generate", type=int, default=64, help="greedy tokens per continuation")
@@ -164,8 +214,7 @@ def main(argv=None) -> list[dict]:
                          profile=sweep_profile(a.profile, max(margins), a.workdir), usage=a.usage)
     text_bytes = None
     if a.texts:
-        with open(a.texts) as fh:
-            docs = [line.rstrip("\n") for line in fh if line.strip()]
+        docs = read_texts(a.texts, a.kind)[:a.max_docs]
         ids = [t for d in docs for t in engine.tokenizer.encode(d)]
     else:
         ids = [int(t) for t in np.random.default_rng(0).integers(0, engine.vocab_size, a.random_tokens)]
@@ -174,16 +223,16 @@ def main(argv=None) -> list[dict]:
         text_bytes = sum(len(engine.tokenizer.decode(s[1:]).encode()) for s in sequences)
     prompts = [s[:16] for s in sequences[:a.prompts]]
     common = {"bench": "router_lean_sweep", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
-              "model": os.path.basename(a.model), "profile": a.profile,
+              "model": os.path.basename(a.model), "profile": a.profile, "kind": a.kind,
+              "full_size_model": {k: v for k, v in FULL.items()},
               "tokens_scored": sum(len(s) - 1 for s in sequences), "generate": a.generate}
     rows, ref = [], None
-    for m in margins:
+    for m in margins:  # each row is written when measured: a run cut short by a time limit keeps its points
         row = evaluate_margin(engine, m, sequences, prompts, a.generate, ref, text_bytes)
         ref = ref or row
-        rows.append(row)
-    out = [{**common, **{k: v for k, v in r.items() if not k.startswith("_")}} for r in rows]
-    for row in out:
-        emit(row, a.out)
+        rows.append({**common, **{k: v for k, v in row.items() if not k.startswith("_")}})
+        emit(rows[-1], a.out)
+    out = rows
     if a.table:
         with open(a.table, "w") as fh:
             fh.write(table(out))
