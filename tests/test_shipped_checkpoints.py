@@ -29,8 +29,9 @@ def _sha256(path: Path) -> str:
 _INDEX = json.loads((CKPT / "MANIFEST.json").read_text())
 MANIFEST = _INDEX["files"]  # synthetic files: each rebuilt bit for bit by its recorded command
 # trained models: training is not bit-reproducible, so each model's own manifest holds the checksums of its files
-TRAINED = {name: sha for entry in _INDEX.get("trained", {}).values()
-           for name, sha in _sha_table(CKPT / entry["manifest"]).items()}
+TRAINED_SETS = {entry: _sha_table(CKPT / spec["manifest"]) for entry, spec in _INDEX.get("trained", {}).items()}
+TRAINED = {name: sha for files in TRAINED_SETS.values() for name, sha in files.items()}
+DRAFTS = {entry: spec["draft_for"] for entry, spec in _INDEX.get("trained", {}).items() if "draft_for" in spec}
 
 
 def test_manifest_lists_every_shipped_file():
@@ -43,11 +44,25 @@ def test_trained_files_match_their_manifest(name):
     assert _sha256(CKPT / name) == TRAINED[name]
 
 
-@pytest.mark.parametrize("entry", sorted(_INDEX.get("trained", {})))
+def _first_gguf(entry: str) -> Path:
+    return CKPT / sorted(n for n in TRAINED_SETS[entry] if n.endswith(".gguf"))[0]
+
+
+@pytest.mark.parametrize("entry", sorted(set(TRAINED_SETS) - set(DRAFTS)))
 def test_trained_model_opens_from_its_first_shard(entry):
-    first = sorted(n for n in TRAINED if n.startswith(entry) and n.endswith(".gguf"))[0]
-    with open_model(CKPT / first) as m:
+    with open_model(_first_gguf(entry)) as m:
         assert m.config.arch == "deepseek41" and m.config.n_layers == 8 and len(m.shards) == 4
+
+
+@pytest.mark.parametrize("entry", sorted(DRAFTS))
+def test_trained_drafter_belongs_to_its_model(entry):
+    from jds41.speculative import check_compatible
+
+    with open_model(_first_gguf(DRAFTS[entry])) as target, open_model(_first_gguf(entry)) as draft:
+        check_compatible(target.config, draft.config, str(_first_gguf(entry)))  # raises when made for another
+        d, t = draft.config.dspark, target.config.dspark
+        assert (d.target_layer_ids, d.block_size, d.markov_rank) == (t.target_layer_ids, t.block_size, t.markov_rank)
+        assert draft.config.n_nextn == 2 and (d.n_experts, d.n_experts_used) == (16, 2)  # MODEL.md §6 small
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST))
