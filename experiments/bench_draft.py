@@ -25,14 +25,18 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-from jds41.engine import Engine
-from jds41.speculative import DSparkDrafter, SpeculativeSession
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import _commit  # noqa: E402  (sibling script)
+from heldout import text_prompts  # noqa: E402
+
+from jds41.decode_loop import greedy_generate  # noqa: E402
+from jds41.engine import Engine  # noqa: E402
+from jds41.speculative import DSparkDrafter, SpeculativeSession  # noqa: E402
 
 MODES = ("plain", "dspark", "oracle-right", "oracle-wrong")
 
@@ -58,14 +62,6 @@ def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(16, vocab, length)] for _ in range(n)]
 
 
-def _git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _timed(session, prompt: list[int], n: int) -> tuple[list[int], float]:
     """(tokens, decode seconds): from the first generated token (the prompt's last logits) to the last one."""
     out, t_first = [], None
@@ -76,10 +72,24 @@ def _timed(session, prompt: list[int], n: int) -> tuple[list[int], float]:
     return out, time.perf_counter() - t_first
 
 
+def _device_loop_tok_s(engine, prompts: list[list[int]], n: int) -> float:
+    def run(prompt):
+        s = engine.session()
+        first = int(np.argmax(s.feed(prompt)))
+        t0 = time.perf_counter()
+        out = greedy_generate(s, first, n)  # `first` included: len(out) - 1 decode steps, as _timed counts
+        return len(out) - 1, time.perf_counter() - t0
+
+    run(prompts[0])  # warm-up: compiles
+    done = [run(p) for p in prompts]
+    return round(sum(k for k, _ in done) / sum(t for _, t in done), 3)
+
+
 def bench_profile(args, profile: str | None) -> list[dict]:
     engine = Engine.open(args.model, max_ctx=args.ctx, profile=profile)
     drafter = DSparkDrafter.open(engine, args.draft)
-    prompts = _prompts(engine.vocab_size, args.prompts, args.prompt_len, args.seed)
+    prompts = (text_prompts(engine.tokenizer, args.texts, args.prompts, args.prompt_len) if args.texts
+               else _prompts(engine.vocab_size, args.prompts, args.prompt_len, args.seed))
     plain_out: list[list[int]] = []
     results = []
     for mode in args.modes:
@@ -120,6 +130,10 @@ def bench_profile(args, profile: str | None) -> list[dict]:
             plain_row = results[0]
             if plain_row["decode_tok_s"] and row["decode_tok_s"]:
                 row["speedup_vs_plain"] = round(row["decode_tok_s"] / plain_row["decode_tok_s"], 4)
+        if mode == "plain":  # the fastest plain path too: greedy decode as one device loop (no host round trips)
+            row["device_loop_tok_s"] = _device_loop_tok_s(engine, prompts, args.tokens)
+        elif results[0].get("device_loop_tok_s") and row["decode_tok_s"]:
+            row["speedup_vs_device_loop"] = round(row["decode_tok_s"] / results[0]["device_loop_tok_s"], 4)
         if engine.tiers is not None:
             row["tiers"] = engine.tiers.stats()
         results.append(row)
@@ -140,13 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--texts", default=None, help="prompts from this held-out text (JSON Lines: code documents) "
+                    "instead of random ids: acceptance needs real text and a trained model")
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
     if any(m not in MODES for m in args.modes) or args.modes[0] != "plain":
         ap.error(f"--modes: plain first, then any of {', '.join(MODES[1:])}")
     import jax
 
-    meta = {"bench": "bench_draft", "meta": True, "commit": _git_commit(), "machine": platform.node(),
+    meta = {"bench": "bench_draft", "meta": True, "commit": _commit(), "machine": platform.node(),
             "devices": [str(d) for d in jax.devices()], "command": " ".join([sys.executable, *sys.argv])}
     rows = [meta]
     print(json.dumps(meta), flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,12 @@ def test_bench_draft_runs_on_cpu(tmp_path, monkeypatch, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     monkeypatch.setenv("OUT", str(tmp_path))
+    texts = tmp_path / "heldout.jsonl"  # the shipped held-out set's format: prompts come from its code documents
+    texts.write_text("".join(json.dumps({"kind": kind, "text": text}) + "\n" for kind, text in
+                             [("prose", "not code at all, skipped"), ("code", "x = 1"),
+                              ("code", "def f(a, b):\n    return a + b\n" * 3), ("code", "class A:\n    pass\n" * 4)]))
     assert bench.main([str(model), "--profiles", "all-hbm", "--tokens", "12", "--prompts", "2",
-                       "--prompt-len", "6", "--ctx", "256"]) == 0
+                       "--prompt-len", "6", "--ctx", "256", "--texts", str(texts)]) == 0
     rows = [json.loads(line) for line in (tmp_path / "bench_draft.jsonl").read_text().splitlines()]
     assert rows[0]["meta"] and capsys.readouterr().out.count("\n") == len(rows)
     runs = {(r["profile"], r["mode"]): r for r in rows[1:]}
@@ -33,10 +38,26 @@ def test_bench_draft_runs_on_cpu(tmp_path, monkeypatch, capsys):
     for (_, mode), r in runs.items():
         assert r["tokens"] == 2 * 11 and r["decode_tok_s"] > 0
         if mode == "plain":
+            assert r["device_loop_tok_s"] > 0
             continue
+        assert r["speedup_vs_device_loop"] > 0
         assert r["identical_to_plain"] is True and r["speedup_vs_plain"] > 0
         if mode == "oracle-right":
             assert r["acceptance_rate"] == 1.0 and r["verify_steps"] == 2 * -(-11 // (k + 1))
         if mode == "oracle-wrong":
             assert r["acceptance_rate"] == 0.0 and r["tokens_per_step"] == 1.0
     assert runs[("all-hbm", "dspark")]["tiers"]["tokens"] > 0  # the tier runtime counted the verified tokens
+
+
+def test_text_prompts_take_long_enough_code_documents(tmp_path):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from heldout import text_prompts
+
+    class Chars:  # one id per character: lengths are easy to reason about
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    texts = tmp_path / "t.jsonl"
+    docs = [("code", "ab"), ("prose", "long prose"), ("code", "abcdef"), ("code", "xyzw")]
+    texts.write_text("".join(json.dumps({"kind": k, "text": t}) + "\n" for k, t in docs))
+    assert text_prompts(Chars(), str(texts), 5, 4) == [[97, 98, 99, 100], [120, 121, 122, 119]]

@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_decode import BW, _commit, _machine, emit, full_model_bytes, static_bytes  # noqa: E402  (sibling script)
+from heldout import read_texts  # noqa: E402
 
 from jds41.decode_loop import greedy_generate  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
@@ -175,19 +176,6 @@ def plot(rows: list[dict], path: str) -> bool:
     return True
 
 
-def read_texts(path: str, kind: str | None = None) -> list[str]:
-    """Documents of a text file (one per line) or of JSON Lines of {"text", "kind"} such as the shipped held-out
-    set (`.xz` read as such); `kind` keeps only that kind."""
-    import lzma
-
-    with (lzma.open(path, "rt") if path.endswith(".xz") else open(path)) as fh:
-        lines = [line for line in fh if line.strip()]
-    if lines and lines[0].lstrip().startswith("{"):
-        recs = [json.loads(line) for line in lines]
-        return [r["text"] for r in recs if kind is None or r.get("kind") == kind]
-    return [line.rstrip("\n") for line in lines]
-
-
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -197,6 +185,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--texts", default=None, help="evaluation text, one document per line (needs a tokenizer)")
     ap.add_argument("--kind", default=None, help="with JSON Lines texts: only documents of this `kind` (code, prose)")
     ap.add_argument("--max-docs", type=int, default=None, help="with --texts: the first N documents")
+    ap.add_argument("--max-sequences", type=int, default=None, help="score at most this many sequences")
     ap.add_argument("--random-tokens", type=int, default=256, help="without --texts: this many random token ids")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per teacher-forced sequence")
     ap.add_argument("--generate", type=int, default=64, help="greedy tokens per continuation")
@@ -219,6 +208,7 @@ def main(argv=None) -> list[dict]:
     else:
         ids = [int(t) for t in np.random.default_rng(0).integers(0, engine.vocab_size, a.random_tokens)]
     sequences = [ids[i:i + a.seq_len + 1] for i in range(0, len(ids) - a.seq_len, a.seq_len)] or [ids]
+    sequences = sequences[:a.max_sequences]
     if a.texts and engine.tokenizer is not None:
         text_bytes = sum(len(engine.tokenizer.decode(s[1:]).encode()) for s in sequences)
     prompts = [s[:16] for s in sequences[:a.prompts]]
