@@ -88,3 +88,24 @@ def test_generate_cli_prints_text_from_the_shipped_model():
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert len(result["tokens"]) == 8 and isinstance(result["text"], str) and result["text"]
+
+
+def _readme_run_command() -> list[str]:
+    """The `python -m jds41.generate ...` part of the README's install-and-run line."""
+    line = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if "python -m jds41.generate" in ln)
+    return shlex.split(line[line.index("python -m jds41.generate"):])
+
+
+@pytest.mark.slow
+def test_readme_run_command_generates_and_drafting_changes_nothing():
+    """The README's main job on the trained model: drafting with the shipped drafter gives plain decode's tokens."""
+    args = _readme_run_command()
+    args[args.index("-n") + 1] = "12"
+    assert "--draft" in args
+    plain = args[:args.index("--draft")] + args[args.index("--draft") + 2:]
+    outs = []
+    for cmd in (args, plain):
+        r = subprocess.run([sys.executable, *cmd[1:], "--json"], capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+        outs.append(json.loads(r.stdout))
+    assert len(outs[0]["tokens"]) == 12 and outs[0]["tokens"] == outs[1]["tokens"] and outs[0]["text"]
