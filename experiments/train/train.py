@@ -49,6 +49,7 @@ class TrainConfig:
     moe_block: int = 256
     remat: bool = True
     seed: int = 0
+    sinkhorn_loop: bool = True  # mHC's Sinkhorn iterations as a loop: a smaller graph to compile, same arithmetic
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
@@ -100,7 +101,8 @@ def make_optimizer(tc: TrainConfig):
 
 def loss_fn(cfg, tc: TrainConfig, params, buffers, tokens_in, targets, mask, ids):
     dtype = jnp.bfloat16 if tc.dtype == "bfloat16" else jnp.float32
-    logits, aux = forward(cfg, params, buffers, tokens_in, ids, dtype=dtype, block=tc.moe_block, remat=tc.remat)
+    logits, aux = forward(cfg, params, buffers, tokens_in, ids, dtype=dtype, block=tc.moe_block, remat=tc.remat,
+                          sinkhorn_loop=tc.sinkhorn_loop)
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     ce = jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
