@@ -4,6 +4,7 @@ margin trades agreement for traffic in the fast tiers, monotonically, on one com
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -28,3 +29,25 @@ def test_sweep_margins(tmp_path):
     for r in rows[1:]:
         assert r["kl_nats"] >= 0 and 0 <= r["greedy_agreement"] <= 1 and r["roofline_speedup"] >= 1.0
     assert (tmp_path / "t.md").read_text().count("\n") == 2 + len(rows)
+
+
+def test_report_groups_series_and_finds_the_pareto_front(tmp_path):
+    import report as R
+
+    def row(profile, kind, margin, speed, agree):
+        return {"profile": profile, "kind": kind, "margin": margin, "full_size_speedup": speed,
+                "topk_agreement": agree, "bits_per_token": 4.0, "full_size_roofline_tok_s": 2.0 * speed,
+                "tier_share": {"hbm": 0.1, "host": 0.6, "ssd": 0.3}}
+
+    pts = [row("lucebox", "code", 0.0, 1.0, 1.0), row("lucebox", "code", 0.05, 1.3, 0.89),
+           row("lucebox", "code", 0.02, 1.1, 0.95), row("lucebox", "code", 0.07, 1.2, 0.80),  # dominated by 0.05
+           row("h200", "code", 0.0, 1.0, 1.0)]
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(r) + "\n" for r in pts[:3]))
+    b.write_text("".join(json.dumps(r) + "\n" for r in pts[3:] + [row("lucebox", "code", 0.0, 9.0, 0.1)]))
+    series = R.load([str(a), str(b)])  # the second file's margin-0 lucebox row repeats a margin: first file wins
+    assert list(series) == [("h200", "code"), ("lucebox", "code")]
+    assert [r["margin"] for r in series[("lucebox", "code")]] == [0.0, 0.02, 0.05, 0.07]
+    assert [r["margin"] for r in R.pareto(series[("lucebox", "code")])] == [0.0, 0.02, 0.05]
+    text = R.table(series)
+    assert text.count("\n") == 2 + 5 and "| lucebox | code | 0.07 | 0.8000 |" in text

@@ -25,8 +25,10 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import BW, _commit, _machine, emit, full_model_bytes, static_bytes  # noqa: E402  (sibling script)
 from heldout import read_texts  # noqa: E402
+from report import plot, table  # noqa: E402  (this folder's report: one table and plot for one or many sweeps)
 
 from jds41.decode_loop import greedy_generate  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
@@ -137,45 +139,6 @@ def evaluate_margin(engine, margin: float, sequences: list[list[int]], prompts: 
     return row
 
 
-def table(rows: list[dict]) -> str:
-    head = ("| margin | top-k agreement | KL (nats) | top-1 agreement | greedy agreement | bits/token (+%) | "
-            "HBM / host / SSD share | roofline tok/s (x) | full-size roofline tok/s (x) |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")
-    lines = []
-    for r in rows:
-        sh = r["tier_share"]
-        lines.append(f"| {r['margin']} | {r['topk_agreement']:.4f} | {r.get('kl_nats', 0):.2e} | "
-                     f"{r.get('top1_agreement', 1):.4f} | {r.get('greedy_agreement', 1):.4f} | "
-                     f"{r['bits_per_token']:.4f} ({r.get('bits_per_token_delta_pct', 0):+.2f}%) | "
-                     f"{sh['hbm']:.3f} / {sh['host']:.3f} / {sh['ssd']:.3f} | "
-                     f"{r['roofline_tok_s']:.1f} ({r.get('roofline_speedup', 1):.3f}) | "
-                     f"{r['full_size_roofline_tok_s']:.2f} ({r.get('full_size_speedup', 1):.3f}) |")
-    return head + "\n".join(lines) + "\n"
-
-
-def plot(rows: list[dict], path: str) -> bool:
-    """Quality (top-k agreement) against roofline speed-up, the Pareto front marked; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    x = [r.get("roofline_speedup", 1.0) for r in rows]
-    y = [r["topk_agreement"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(x, y, "o-")
-    for r, xi, yi in zip(rows, x, y):
-        ax.annotate(f"m={r['margin']}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("roofline speed-up over unbiased routing")
-    ax.set_ylabel("top-k agreement with unbiased routing")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return True
-
-
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
@@ -223,10 +186,11 @@ def main(argv=None) -> list[dict]:
         rows.append({**common, **{k: v for k, v in row.items() if not k.startswith("_")}})
         emit(rows[-1], a.out)
     out = rows
+    series = {(a.profile, a.kind or "tokens"): out}
     if a.table:
         with open(a.table, "w") as fh:
-            fh.write(table(out))
-    if a.plot and not plot(out, a.plot):
+            fh.write(table(series))
+    if a.plot and not plot(series, a.plot):
         print("matplotlib is not installed: no plot written", file=sys.stderr)
     engine.tiers.close()
     return out
