@@ -75,3 +75,25 @@ def test_schedule_and_batches_are_functions_of_the_step():
     lrs = [lr_at(TC, s, 50) for s in range(50)]
     assert lrs[0] < lrs[1] == pytest.approx(TC.peak_lr) and lrs[-1] == pytest.approx(TC.peak_lr * 0.1, rel=0.02)
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))
+
+
+def test_plan_s_spreads_one_schedule_over_several_calls():
+    """With `plan_s`, the step count is planned for that much training in all; a call whose deadline comes first
+    stops with the schedule unfinished (run.py then checkpoints and a resumed call continues it)."""
+    import time
+
+    stream = np.arange(4000, dtype=np.uint16) % 200 + 8
+
+    metrics = {"ce": np.float32(1.0), "indexer": np.float32(0.0), "grad_norm": np.float32(1.0),
+               "counts": np.zeros((1, 4))}
+
+    def fake_step(state, tokens, ids, lr):  # 20 ms a step: the plan is a function of the measured step time
+        time.sleep(0.02)
+        return state, metrics
+
+    tc = TrainConfig(batch=1, seq_len=16, warmup=1)
+    jnp.asarray(np.zeros(17)).block_until_ready()  # the backend starts here, not inside the timed window
+    _, s = train(None, tc, {}, stream, None, deadline=time.time() + 0.4, plan_s=1.2, plan_after=3, log=_quiet,
+                 step_fn=fake_step, batch_fn=lambda stream, step, tc, hasher: (np.zeros((1, 17)), np.zeros(1)))
+    assert 30 <= s["total_steps"] <= 62  # ~1.2 s / 20 ms, less the 3% margin and what the plan's steps took
+    assert s["steps"] < s["total_steps"]  # the deadline came first: unfinished, to be resumed

@@ -67,6 +67,11 @@ def parse(argv=None):
     ap.add_argument("--ckpt-every", type=int, default=0, help="checkpoint to WORK/ckpt.npz every N steps and at the "
                     "end (0 = never: the GPU box is wiped after each call, so the one-shot run skips the writes)")
     ap.add_argument("--resume", action="store_true", help="continue from WORK/ckpt.npz if present (same lease)")
+    ap.add_argument("--plan-train-s", type=float, default=None,
+                    help="plan the schedule for this many seconds of training in all, over several calls: a call "
+                         "that reaches its deadline first saves WORK/ckpt.npz and stops without exporting; the "
+                         "next call, with --resume and the same WORK (an ignored folder of the repository survives "
+                         "between calls on a warm device machine), continues and exports at the end")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--autotune-level", type=int, default=None,
                     help="XLA GPU autotuning level (0 = off): GEMM autotuning is the usual bulk of a long GPU "
@@ -120,7 +125,9 @@ def main(argv=None) -> int:
     # hash order of the path: the --max-train-mb cap then takes a spread over packages, not the first ones
     train_texts = [t for _, _, t in sorted(code["train"], key=lambda x: hashlib.sha1(x[1].encode()).hexdigest())]
     vocab = a.vocab or (8192 if a.size == "small" else 512)
-    tok = tokenizer.train_tokenizer(train_texts, vocab, int(a.tokenizer_sample_mb * 1e6))
+    tok = tokenizer.cached_tokenizer(os.path.join(a.work, "tokenizer.json"), lambda: tokenizer.train_tokenizer(
+        train_texts, vocab, int(a.tokenizer_sample_mb * 1e6))) if a.resume or a.plan_train_s else \
+        tokenizer.train_tokenizer(train_texts, vocab, int(a.tokenizer_sample_mb * 1e6))
     from jds41.engram_hash import tokenizer_token_map
 
     token_map, n_classes = tokenizer_token_map(tok)
@@ -198,11 +205,18 @@ def main(argv=None) -> int:
     state, summary = train(cfg, tc, state, stream, hasher, max_steps=a.max_steps, deadline=deadline - reserve,
                            ckpt_dir=a.work if a.ckpt_every else None, ckpt_every=a.ckpt_every or 1, log=log,
                            start_step=start_step, total_steps=total_steps, step_fn=compiled["step"],
-                           plan_after=20 if a.size == "small" else 5, on_plan=eval_compile.start)
+                           plan_after=20 if a.size == "small" else 5, on_plan=eval_compile.start,
+                           plan_s=a.plan_train_s)
     if not eval_compile.is_alive() and eval_compile.ident is None:
         eval_compile.start()  # training ended before the plan (a step cap or a short budget)
-    if a.ckpt_every:
+    unfinished = a.plan_train_s is not None and summary["steps"] < (summary["total_steps"] or 0)
+    if a.ckpt_every or unfinished:
         save_checkpoint(ckpt, state, summary["steps"], summary["total_steps"] or 0)
+    if unfinished:
+        log({"event": "paused", "steps": summary["steps"], "total_steps": summary["total_steps"],
+             "median_step_s": summary["median_step_s"], "final_ce_mean_last20": float(np.mean(summary["losses"][-20:])),
+             "next": "call again with --resume and the same --work", "elapsed_s": round(time.time() - t_start, 1)})
+        return 0
     log({"event": "trained", **{k: v for k, v in summary.items() if k not in ("losses", "expert_counts")},
          "final_ce_mean_last20": float(np.mean(summary["losses"][-20:])), "elapsed_s": round(time.time() - t_start, 1)})
 
@@ -241,8 +255,7 @@ def main(argv=None) -> int:
                      "final_train_ce_last20": float(np.mean(summary["losses"][-20:])),
                      "balance": f"aux-loss-free bias (gamma {tc.bias_gamma:g}) + V3 sequence-wise loss "
                                 f"(alpha {tc.balance_alpha:g})",
-                     "resume": "checkpoint/resume works within one machine lease (WORK/ckpt.npz); the box is wiped "
-                               "between leases, so every shipped run trains from scratch in one call"},
+                     "resumed_from_step": start_step, "plan_train_s": a.plan_train_s},
         "heldout": {"file": os.path.basename(heldout_path), "cpu_subset_max_bytes": a.cpu_subset_bytes,
                     "cpu_reproduce": f"python -m experiments.train.evaluate checkpoints/{first} "
                                      f"checkpoints/{os.path.basename(heldout_path)} --max-bytes {a.cpu_subset_bytes}"},
@@ -268,8 +281,12 @@ def main(argv=None) -> int:
     manifest["heldout"]["gpu_eval_cpu_subset"] = brief(results_subset, ("expert_counts", "expert_skew_top10pct"))
     write_manifest("evaluated-subset")
     # the full set only if it fits what is left (estimated from the subset's time per byte)
-    per_byte = (time.time() - t_eval) / max(1, sum(len(d["text"]) for d in cpu_docs))
-    if time.time() + 1.5 * per_byte * sum(len(d["text"]) for d in docs) < deadline - 15:
+    # Each document is cut into rows of T tokens, run `batch` rows per call; the subset fills about one call, so
+    # its time per call (not per byte) scales to the whole set.
+    sub_rows = sum(r["tokens"] for r in results_subset.values()) / runner.T + len(cpu_docs)
+    t_call = (time.time() - t_eval) / max(1.0, np.ceil(sub_rows / runner.batch))
+    full_rows = sum(len(d["text"]) for d in docs) / (train_bytes / max(1, len(stream))) / runner.T + len(docs)
+    if time.time() + 1.5 * t_call * np.ceil(full_rows / runner.batch) < deadline - 15:
         results = evaluate.forward_eval(runner, dec_p, dec_b, hasher, jtok, docs)
         manifest["heldout"]["gpu_eval_full"] = brief(results)
     else:

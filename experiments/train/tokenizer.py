@@ -56,3 +56,17 @@ def encode_stream(tok, texts: list[str], bos_id: int = synth_tokenizer.BOS_ID, b
 def encode_docs(tok, texts: list[str], bos_id: int = synth_tokenizer.BOS_ID) -> list[np.ndarray]:
     """[BOS] + ids of each text (one array per document), as evaluation consumes them."""
     return [np.asarray([bos_id] + enc.ids, np.int32) for enc in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def cached_tokenizer(path: str, train):
+    """The tokenizer saved at `path` if there is one (a resumed run must keep its first call's vocabulary), else
+    `train()`'s, saved there."""
+    import os
+
+    from tokenizers import Tokenizer
+
+    if os.path.exists(path):
+        return Tokenizer.from_file(path)
+    tok = train()
+    tok.save(path)
+    return tok

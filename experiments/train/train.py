@@ -185,11 +185,14 @@ def load_checkpoint(path: str, template: dict) -> tuple[dict, int, int]:
 def train(cfg, tc: TrainConfig, state: dict, stream: np.ndarray, hasher, *, max_steps: int | None = None,
           deadline: float | None = None, ckpt_dir: str | None = None, ckpt_every: int = 200, log=print,
           start_step: int = 0, total_steps: int | None = None, plan_after: int = 5,
-          step_fn=None, on_plan=None) -> tuple[dict, dict]:
+          step_fn=None, on_plan=None, plan_s: float | None = None, batch_fn=None) -> tuple[dict, dict]:
     """Run steps until `max_steps` or the wall-clock `deadline` (time.time()); returns (state, summary).
 
-    Without `total_steps` the schedule length is planned after `plan_after` timed steps from the time left.
+    Without `total_steps` the schedule length is planned after `plan_after` timed steps from the time left, or,
+    with `plan_s`, from that many seconds of training in all (a run spread over several calls: this one stops at
+    its deadline with the schedule unfinished, and a resumed call continues it).
     `step_fn(state, tokens, ids, lr)`: an ahead-of-time compiled `train_step` (default: the jitted one).
+    `batch_fn(stream, step, tc, hasher)` makes a step's (tokens, engram ids) (default batch_inputs).
     `on_plan()` is called once the step count is planned (run.py starts CPU-heavy side work only then, so the
     timed steps are not slowed by it and the schedule does not end early).
     """
@@ -199,10 +202,12 @@ def train(cfg, tc: TrainConfig, state: dict, stream: np.ndarray, hasher, *, max_
 
     pool = ThreadPoolExecutor(1)
     step = start_step
-    nxt = pool.submit(batch_inputs, stream, step, tc, hasher)
+    batch_fn = batch_fn or batch_inputs
+    nxt = pool.submit(batch_fn, stream, step, tc, hasher)
     losses, t_steps = [], []
     counts_sum = None
     t_first = None
+    t_loop = time.time()
     while True:
         if max_steps is not None and step >= max_steps:
             break
@@ -211,7 +216,7 @@ def train(cfg, tc: TrainConfig, state: dict, stream: np.ndarray, hasher, *, max_
         if deadline is not None and t_steps and time.time() + np.median(t_steps[-20:]) > deadline:
             break
         tokens, ids = nxt.result()
-        nxt = pool.submit(batch_inputs, stream, step + 1, tc, hasher)
+        nxt = pool.submit(batch_fn, stream, step + 1, tc, hasher)
         planned = total_steps if total_steps is not None else (max_steps or 10 ** 6)
         t0 = time.time()
         state, m = step_fn(state, jnp.asarray(tokens), jnp.asarray(ids), np.float32(lr_at(tc, step, planned)))
@@ -227,7 +232,8 @@ def train(cfg, tc: TrainConfig, state: dict, stream: np.ndarray, hasher, *, max_
         counts_sum = c if counts_sum is None else counts_sum + c
         if total_steps is None and deadline is not None and len(t_steps) == plan_after:
             per = float(np.median(t_steps))
-            total_steps = step + int((deadline - time.time()) / per * 0.97)
+            left = plan_s - (time.time() - t_loop) if plan_s is not None else deadline - time.time()
+            total_steps = step + int(left / per * 0.97)
             log({"event": "plan", "step": step, "step_s": round(per, 4), "total_steps": total_steps,
                  "tokens_per_s": round(tc.batch * tc.seq_len / per)})
             if on_plan is not None:
