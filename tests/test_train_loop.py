@@ -95,5 +95,5 @@ def test_plan_s_spreads_one_schedule_over_several_calls():
     jnp.asarray(np.zeros(17)).block_until_ready()  # the backend starts here, not inside the timed window
     _, s = train(None, tc, {}, stream, None, deadline=time.time() + 0.4, plan_s=1.2, plan_after=3, log=_quiet,
                  step_fn=fake_step, batch_fn=lambda stream, step, tc, hasher: (np.zeros((1, 17)), np.zeros(1)))
-    assert 30 <= s["total_steps"] <= 62  # ~1.2 s / 20 ms, less the 3% margin and what the plan's steps took
+    assert 40 <= s["total_steps"] <= 59  # ~1.2 s of 20 ms steps, less the 3% margin (sleep overshoots a little)
     assert s["steps"] < s["total_steps"]  # the deadline came first: unfinished, to be resumed

@@ -209,7 +209,10 @@ def main(argv=None) -> int:
                            plan_s=a.plan_train_s)
     if not eval_compile.is_alive() and eval_compile.ident is None:
         eval_compile.start()  # training ended before the plan (a step cap or a short budget)
-    unfinished = a.plan_train_s is not None and summary["steps"] < (summary["total_steps"] or 0)
+    # with --plan-train-s a call that stops before the end of the schedule (or before it was even planned: a
+    # long compile) checkpoints instead of exporting; the resumed call plans or continues the same schedule
+    unfinished = a.plan_train_s is not None and (summary["total_steps"] is None
+                                                 or summary["steps"] < summary["total_steps"])
     if a.ckpt_every or unfinished:
         save_checkpoint(ckpt, state, summary["steps"], summary["total_steps"] or 0)
     if unfinished:

@@ -207,7 +207,6 @@ def train(cfg, tc: TrainConfig, state: dict, stream: np.ndarray, hasher, *, max_
     losses, t_steps = [], []
     counts_sum = None
     t_first = None
-    t_loop = time.time()
     while True:
         if max_steps is not None and step >= max_steps:
             break
@@ -232,8 +231,10 @@ def train(cfg, tc: TrainConfig, state: dict, stream: np.ndarray, hasher, *, max_
         counts_sum = c if counts_sum is None else counts_sum + c
         if total_steps is None and deadline is not None and len(t_steps) == plan_after:
             per = float(np.median(t_steps))
-            left = plan_s - (time.time() - t_loop) if plan_s is not None else deadline - time.time()
-            total_steps = step + int(left / per * 0.97)
+            if plan_s is not None:  # seconds of training in all, steps of earlier calls included
+                total_steps = max(step + 1, int(plan_s / per * 0.97))
+            else:
+                total_steps = step + int((deadline - time.time()) / per * 0.97)
             log({"event": "plan", "step": step, "step_s": round(per, 4), "total_steps": total_steps,
                  "tokens_per_s": round(tc.batch * tc.seq_len / per)})
             if on_plan is not None:
