@@ -236,8 +236,14 @@ def profile_json(name: str, arch: str, quant: str, workdir: str) -> str | None:
                "slot_cache_slots": shipped.slot_cache_slots,
                "comment": f"h200 budgets resolved for the full {arch} {quant} model ({b['routed'] / 2**30:.1f} GiB "
                           f"routed): {f0:.1%} of expert bytes in HBM, {f1:.1%} in host memory"}
-    else:
-        return name
+    else:  # a shipped profile: its placement without its router lean (the lean changes routing, and a placement
+        # benchmark must give plain decode's predictions); NAME+lean keeps the profile's lean and its guard
+        from jds41.tiers.profiles import load_profile
+
+        doc = load_profile(name.removesuffix("+lean")).to_json()
+        if not name.endswith("+lean"):
+            doc["router_lean"] = {**doc["router_lean"], "enabled": False, "margin": 0.0}
+        doc["name"] = name = name.replace("+", "-")
     path = os.path.join(workdir, f"profile-{name}-{arch}-{quant}.json")
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)

@@ -173,7 +173,10 @@ def test_shipped_profiles_load_and_resolve():
     assert set(shipped_profiles()) >= {"all-hbm", "ssd-heavy", "lucebox", "h200"}
     for name in shipped_profiles():
         p = load_profile(name)
-        assert p.name == name and not p.router_lean.enabled and "issue #11" in p.router_lean.comment
+        assert p.name == name and "issue #11" in p.router_lean.comment
+        # issue #11: the lean is on, under its guard, where a tier below HBM exists to lean away from
+        assert p.router_lean.enabled == (name in ("lucebox", "h200"))
+        assert not p.router_lean.enabled or (p.router_lean.margin > 0 and p.router_lean.agreement_floor >= 0.99)
     assert load_profile("all-hbm").budgets(SIZES) == (800, 0)
     assert load_profile("lucebox").budgets(SIZES) == (52, 480)  # 6.54% and 60% of 800 routed bytes
     assert load_profile("ssd-heavy").budgets(SIZES) == (8, 32)
