@@ -74,20 +74,19 @@ class DSparkDevice:
 
 @dataclasses.dataclass(frozen=True)
 class ForcedDevice:
-    """Forced drafts: the continuation of a token stream (right) or a token that never is it (wrong), both read
-    from `params["stream"]`. `inner` (a DSparkDevice or None) receives the features as the real drafter would, so
-    the loop runs the same target programs; without one the state only counts injected positions."""
+    """Forced drafts: the continuation of a token stream, or (flip = 1) a token that never is it, both read from
+    params (an array, so right and wrong drafts share one compiled loop). `inner` (a DSparkDevice or None)
+    receives the features as the real drafter would; without one the state only counts injected positions."""
 
     block_size: int
     feature_layers: tuple[int, ...]
-    right: bool
     vocab: int
     inner: DSparkDevice | None = None
 
     def propose(self, params, state, last, pos):
         # positions past the stream read 0, as the host-side oracles do (padding in ForcedDrafter.device_params)
         true = jax.lax.dynamic_slice(params["stream"], (pos + 1,), (self.block_size,))
-        return true if self.right else (true + 1) % self.vocab
+        return (true + params["flip"]) % self.vocab
 
     def inject(self, params, state, features, pos0, count):
         if self.inner is not None:
@@ -130,13 +129,13 @@ class ForcedDrafter:
         return true if self.right else [(t + 1) % self.vocab for t in true]
 
     def device_spec(self) -> ForcedDevice:
-        return ForcedDevice(self.block_size, self.feature_layers, self.right, self.vocab,
+        return ForcedDevice(self.block_size, self.feature_layers, self.vocab,
                             self.inner.device_spec() if self.inner is not None else None)
 
     def device_params(self) -> dict:
         stream = np.zeros((max(self._stream_len, len(self.stream) + self.block_size + 1),), np.int32)
         stream[:len(self.stream)] = self.stream
-        out = {"stream": jnp.asarray(stream)}
+        out = {"stream": jnp.asarray(stream), "flip": jnp.int32(0 if self.right else 1)}
         if self.inner is not None:
             out["inner"] = self.inner.device_params()
         return out
