@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from jds41 import speculative_loop
 from jds41.checkpoints.presets import preset
 from jds41.checkpoints.synth import write_synthetic
 from jds41.decode_loop import greedy_generate
@@ -206,6 +207,13 @@ def test_device_loop_stops_at_a_stop_id(engines, plain):
     want = plain("deepseek41", PROMPT)
     assert got == want[:want.index(want[15]) + 1]
     assert s.stats.steps > 0 and s.stats.emitted >= len(got) - 1
+    # the next call (another session, stop id and prompt) reuses the compiled loop
+    compiled = speculative_loop._loop._cache_size()
+    drafter.reset()
+    s = SpeculativeSession(engine, drafter)
+    first = int(np.argmax(s.feed(PROMPT[:3])))
+    speculative_generate(s, drafter, first, N_NEW, stop_ids=(want[3], want[9]))
+    assert speculative_loop._loop._cache_size() == compiled
 
 
 @pytest.mark.slow
