@@ -7,8 +7,8 @@ One verify step with the last emitted (not yet fed) token `last` and drafts d1..
    also returns what a rollback needs: the pre-verify contents of every state row the block can overwrite (window
    ring slots, compressed rows / index keys of the touched blocks) and the small compressor leaves after every
    position (partial-group buffers and latent: a ratio-1/2 buffer is overwritten within the block itself).
-2. Greedy acceptance on the host: t_i = argmax(logits_{i-1}); accept d_i while d_i == t_i; a accepted drafts emit
-   d1..da and the target's own t_{a+1}, so each step yields a+1 >= 1 tokens, exactly plain decode's.
+2. Greedy acceptance: t_i = argmax(logits_{i-1}); accept d_i while d_i == t_i; a accepted drafts emit d1..da and
+   the target's own t_{a+1}, so each step yields a+1 >= 1 tokens, exactly plain decode's.
 3. `rollback` keeps the first a+1 positions: ring slots and compressed rows written by rejected positions get their
    old contents back, the small leaves are taken after position a, pos = p0+a+1. The result equals plain decode's
    state at that position leaf for leaf (tests/test_speculative.py). Why the restores are exact: rejected
@@ -17,6 +17,10 @@ One verify step with the last emitted (not yet fed) token `last` and drafts d1..
    position, so a group holding a rejected position was not emitted by a kept one.
 4. The drafter is told the kept positions' target features (only committed positions are ever injected).
 Engram n-gram history is the host token list, so it rolls back by itself.
+
+Here the steps are orchestrated from the host (`SpeculativeSession(step_loop=True)`: the reference, with the
+acceptance on the host); jds41/speculative_loop.py runs the same functions as one device loop, which
+`SpeculativeSession.generate` uses by default, with the same tokens, state and draft counts.
 
 Sampling: greedy only. Speculative sampling at temperature > 0 would need the drafter's probabilities and the
 rejection rule; `generate` refuses temperature > 0 with a RequestError instead.
