@@ -4,13 +4,19 @@ step, decode tok/s of both and the net speedup, plus whether the tokens are iden
 For each profile (`none` = every weight resident, no tier machinery; or a shipped profile name / JSON path) the
 model is opened once; each mode is warmed up (compiles) on a short run, then timed on `--tokens` new tokens for
 every prompt:
-- `plain`:  Session.generate (the reference);
-- `dspark`: SpeculativeSession with the DSpark drafter (`--draft self` or a draft file): the real acceptance;
-- `oracle-right` / `oracle-wrong`: drafts replayed from the plain run (all accepted / none accepted). They bound
-  the speedup: full acceptance, and the pure verification cost under offload (every block rejected). With synthetic
-  weights only these two mean anything; acceptance needs the trained model.
-Under a profile the draft tokens' hash-layer experts are prefetched before each verify (tiers.prefetch_tokens) and
-their Engram rows are hashed and read ahead of the pass (speculative.SpeculativeSession.verify).
+- `plain`:  Session.generate (the reference, one jitted step per token); its row also times the plain device loop
+  (decode_loop.greedy_generate) as `device_loop_tok_s`;
+- `dspark`: SpeculativeSession with the DSpark drafter (`--draft self` or a draft file), greedy drafting as one
+  device loop (jds41/speculative_loop.py): the real acceptance, and `speedup_vs_device_loop`, the number that says
+  whether drafting pays;
+- `dspark-host`: the same drafter through the host-orchestrated reference (step_loop=True: propose, verify,
+  accept, rollback and inject as separate dispatches per verify step); `device_loop_speedup` = dspark / this;
+- `oracle-right` / `oracle-wrong`: drafts replayed from the plain run (all accepted / none accepted), in the device
+  loop, with the features injected into the DSpark drafter's state as in `dspark` (the draft pass itself is not
+  run). They bound the speedup: full acceptance, and the pure verification cost under offload (every block
+  rejected). With synthetic weights only these two mean anything; acceptance needs the trained model.
+Under a profile the draft tokens' hash-layer experts are prefetched before each verify (tiers.prefetch_tokens, in
+the Engram rows' host call) and their Engram rows are hashed and read ahead of the pass.
 
 Prints one JSON line per (profile, mode) and writes them to $OUT/bench_draft.jsonl when OUT is set. CPU timings
 check the code path only: they are not speed figures (experiments/README.md).
@@ -37,24 +43,9 @@ from heldout import text_prompts  # noqa: E402
 from jds41.decode_loop import greedy_generate  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
 from jds41.speculative import DSparkDrafter, SpeculativeSession  # noqa: E402
+from jds41.speculative_loop import ForcedDrafter  # noqa: E402
 
-MODES = ("plain", "dspark", "oracle-right", "oracle-wrong")
-
-
-class ReplayDrafter:
-    """Proposes a known continuation (right) or tokens that are never it (wrong); reads the DSpark features so it
-    runs the same compiled programs as the DSpark drafter."""
-
-    def __init__(self, engine: Engine, stream: list[int], right: bool, block_size: int, feature_layers):
-        self.stream, self.right, self.vocab = stream, right, engine.vocab_size
-        self.block_size, self.feature_layers = block_size, tuple(feature_layers)
-
-    def observe(self, features, pos0, count):
-        pass
-
-    def propose(self, last, pos):
-        true = [self.stream[p] if p < len(self.stream) else 0 for p in range(pos + 1, pos + 1 + self.block_size)]
-        return true if self.right else [(t + 1) % self.vocab for t in true]
+MODES = ("plain", "dspark", "dspark-host", "oracle-right", "oracle-wrong")
 
 
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -91,21 +82,23 @@ def bench_profile(args, profile: str | None) -> list[dict]:
     prompts = (text_prompts(engine.tokenizer, args.texts, args.prompts, args.prompt_len) if args.texts
                else _prompts(engine.vocab_size, args.prompts, args.prompt_len, args.seed))
     plain_out: list[list[int]] = []
+    mode_stats: dict[str, list[dict]] = {}  # per mode, each prompt's draft statistics
     results = []
     for mode in args.modes:
         def session(i, mode=mode):
             if mode == "plain":
                 return engine.session()
-            if mode == "dspark":
-                drafter.reset()
-                return SpeculativeSession(engine, drafter)
+            drafter.reset()
+            if mode in ("dspark", "dspark-host"):
+                return SpeculativeSession(engine, drafter, step_loop=mode == "dspark-host")
             stream = prompts[i] + plain_out[i]
-            return SpeculativeSession(engine, ReplayDrafter(engine, stream, mode == "oracle-right",
-                                                            drafter.block_size, drafter.feature_layers))
+            return SpeculativeSession(engine, ForcedDrafter(engine, stream, mode == "oracle-right", drafter.block_size,
+                                                            drafter.feature_layers, inner=drafter))
 
         if mode != "plain" and not plain_out:
             raise SystemExit("modes must start with plain (the reference)")
-        _timed(session(0), prompts[0], min(args.tokens, 2 * drafter.block_size + 2))  # warm-up: compiles
+        # warm-up: compiles (the device loops compile per max_new, so it generates as many tokens as the timed runs)
+        _timed(session(0), prompts[0], args.tokens)
         tokens, seconds, stats = 0, 0.0, []
         identical = True
         for i, prompt in enumerate(prompts):
@@ -118,6 +111,7 @@ def bench_profile(args, profile: str | None) -> list[dict]:
                 stats.append(s.stats.to_dict())
             tokens += len(out) - 1
             seconds += sec
+        mode_stats[mode] = stats
         row = {"bench": "bench_draft", "profile": profile or "none", "mode": mode, "tokens": tokens,
                "decode_tok_s": round(tokens / seconds, 3) if seconds > 0 else None}
         if mode != "plain":
@@ -134,6 +128,12 @@ def bench_profile(args, profile: str | None) -> list[dict]:
             row["device_loop_tok_s"] = _device_loop_tok_s(engine, prompts, args.tokens)
         elif results[0].get("device_loop_tok_s") and row["decode_tok_s"]:
             row["speedup_vs_device_loop"] = round(row["decode_tok_s"] / results[0]["device_loop_tok_s"], 4)
+        if mode == "dspark-host":  # what moving the drafting loop onto the device bought
+            device = next((r for r in results if r["mode"] == "dspark"), None)
+            if device is not None and device["decode_tok_s"] and row["decode_tok_s"]:
+                row["device_loop_speedup"] = round(device["decode_tok_s"] / row["decode_tok_s"], 4)
+            if device is not None:  # the two paths must draft and accept exactly the same tokens
+                row["same_draft_stats_as_device_loop"] = mode_stats["dspark"] == stats
         if engine.tiers is not None:
             row["tiers"] = engine.tiers.stats()
         results.append(row)

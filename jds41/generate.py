@@ -45,7 +45,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--logits", metavar="FILE.npy", help="save the logits of every prompt position and step")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     ap.add_argument("--step-loop", action="store_true",
-                    help="greedy decode one jitted step per token (the reference path) instead of one device loop")
+                    help="greedy decode one jitted step per token (with --draft: one verify step per host iteration; "
+                         "the reference paths) instead of one device loop")
     ap.add_argument("--draft", default=None, help="DSpark draft: a draft GGUF, or 'self' for the model's own stages")
     return ap.parse_args(argv)
 
@@ -84,7 +85,8 @@ def run(args: argparse.Namespace) -> dict:
                              "implemented")
         if args.logits:
             raise Jds41Error("--draft does not record per-step logits: drop --logits or --draft")
-        session = SpeculativeSession(engine, DSparkDrafter.open(engine, args.draft))
+        # greedy drafting runs as one device loop (jds41/speculative_loop.py); --step-loop: the host-orchestrated path
+        session = SpeculativeSession(engine, DSparkDrafter.open(engine, args.draft), step_loop=args.step_loop)
     t0 = time.perf_counter()
     out: list[int] = []
     t_first = None

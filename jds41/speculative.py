@@ -7,8 +7,8 @@ One verify step with the last emitted (not yet fed) token `last` and drafts d1..
    also returns what a rollback needs: the pre-verify contents of every state row the block can overwrite (window
    ring slots, compressed rows / index keys of the touched blocks) and the small compressor leaves after every
    position (partial-group buffers and latent: a ratio-1/2 buffer is overwritten within the block itself).
-2. Greedy acceptance on the host: t_i = argmax(logits_{i-1}); accept d_i while d_i == t_i; a accepted drafts emit
-   d1..da and the target's own t_{a+1}, so each step yields a+1 >= 1 tokens, exactly plain decode's.
+2. Greedy acceptance: t_i = argmax(logits_{i-1}); accept d_i while d_i == t_i; a accepted drafts emit d1..da and
+   the target's own t_{a+1}, so each step yields a+1 >= 1 tokens, exactly plain decode's.
 3. `rollback` keeps the first a+1 positions: ring slots and compressed rows written by rejected positions get their
    old contents back, the small leaves are taken after position a, pos = p0+a+1. The result equals plain decode's
    state at that position leaf for leaf (tests/test_speculative.py). Why the restores are exact: rejected
@@ -17,6 +17,10 @@ One verify step with the last emitted (not yet fed) token `last` and drafts d1..
    position, so a group holding a rejected position was not emitted by a kept one.
 4. The drafter is told the kept positions' target features (only committed positions are ever injected).
 Engram n-gram history is the host token list, so it rolls back by itself.
+
+Here the steps are orchestrated from the host (`SpeculativeSession(step_loop=True)`: the reference, with the
+acceptance on the host); jds41/speculative_loop.py runs the same functions as one device loop, which
+`SpeculativeSession.generate` uses by default, with the same tokens, state and draft counts.
 
 Sampling: greedy only. Speculative sampling at temperature > 0 would need the drafter's probabilities and the
 rejection rule; `generate` refuses temperature > 0 with a RequestError instead.
@@ -183,6 +187,15 @@ class DSparkDrafter:
         self.confidence = np.asarray(conf)
         return [int(t) for t in np.asarray(tokens)]
 
+    # the device loop's view (jds41/speculative_loop.py): static functions, their params, and `state`
+    def device_spec(self):
+        from jds41.speculative_loop import DSparkDevice
+
+        return DSparkDevice(self.plan)
+
+    def device_params(self) -> dict:
+        return {"draft": self.params, "shared": self.shared}
+
 
 def check_compatible(target, draft, draft_path: str) -> None:
     """A separate draft file carries its target's keys: the main-model part of its config must equal the target's."""
@@ -222,11 +235,16 @@ class SpeculativeSession(Session):
     `drafter` needs `block_size`, `feature_layers` (target layers whose features it reads, may be empty),
     `observe(features, pos0, count)` and `propose(last, pos) -> list of block_size ids`; `DSparkDrafter` is the real
     one, tests pass oracles. Prompts are fed like Session.feed (prefill chunks + steps), with features.
+
+    `generate` runs the whole generation as one device loop (jds41/speculative_loop.py) when the drafter has a
+    device form (`device_spec`); `step_loop=True`, or a host-only drafter, selects the host-orchestrated loop below
+    (one verify step per Python iteration), the reference the device loop is tested against.
     """
 
-    def __init__(self, engine: Engine, drafter):
+    def __init__(self, engine: Engine, drafter, step_loop: bool = False):
         super().__init__(engine)
         self.drafter = drafter
+        self.step_loop = step_loop or not hasattr(drafter, "device_spec")
         self.k = int(drafter.block_size)
         self.plan = dataclasses.replace(engine.plan, ring_slack=self.k)
         self.state = M.init_state(self.plan)
@@ -306,6 +324,9 @@ class SpeculativeSession(Session):
         ctx = self.engine.max_ctx
         last = int(np.argmax(self.feed(prompt)))
         yield last
+        if not self.step_loop:
+            yield from self._generate_on_device(last, max_new, stop_ids)
+            return
         if last in stop_ids or max_new == 1 or len(self.tokens) >= ctx:
             return
         n_out = 1
@@ -323,3 +344,16 @@ class SpeculativeSession(Session):
                 if tok in stop_ids or n_out == max_new or t0 + j + 1 >= ctx:
                     return
             last = emitted[-1]
+
+    def _generate_on_device(self, first: int, max_new: int, stop_ids: Sequence[int]) -> list[int]:
+        """The tokens after `first` from the device loop; an SSD read failure raises that read's error (as feed)."""
+        from jds41.speculative_loop import speculative_generate
+        from jds41.tiers.experts import take_failure
+
+        try:
+            return speculative_generate(self, self.drafter, first, max_new, stop_ids)[1:]
+        except Exception as e:
+            cause = take_failure()
+            if cause is not None:
+                raise cause from e
+            raise

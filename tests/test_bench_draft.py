@@ -42,6 +42,8 @@ def test_bench_draft_runs_on_cpu(tmp_path, monkeypatch, capsys):
             continue
         assert r["speedup_vs_device_loop"] > 0
         assert r["identical_to_plain"] is True and r["speedup_vs_plain"] > 0
+        if mode == "dspark-host":
+            assert r["device_loop_speedup"] > 0 and r["same_draft_stats_as_device_loop"] is True
         if mode == "oracle-right":
             assert r["acceptance_rate"] == 1.0 and r["verify_steps"] == 2 * -(-11 // (k + 1))
         if mode == "oracle-wrong":
