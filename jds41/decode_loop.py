@@ -89,6 +89,14 @@ def _loop(plan: M.ModelPlan, n_max: int, rows_fn, trace: bool, params, state, fi
     return out, count, st, routing
 
 
+def stop_array(stop_ids) -> tuple[list[int], jax.Array]:
+    """(the stop ids as ints, the loop's fixed-size int32 array of them padded with -1); at most MAX_STOP_IDS."""
+    stop = [int(s) for s in stop_ids]
+    if len(stop) > MAX_STOP_IDS:
+        raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop)}")
+    return stop, jnp.asarray(stop + [-1] * (MAX_STOP_IDS - len(stop)), jnp.int32)
+
+
 def greedy_generate(session, first_token: int, max_new: int, stop_ids=()) -> list[int]:
     """Tokens `Session.generate` would yield at temperature 0 after its first one (`first_token`, the argmax of the
     prompt's logits, already chosen by the caller), all in one device loop; the session's state and history advance
@@ -96,10 +104,7 @@ def greedy_generate(session, first_token: int, max_new: int, stop_ids=()) -> lis
     eng = session.engine
     if max_new < 1:
         return []
-    stop = [int(s) for s in stop_ids]
-    if len(stop) > MAX_STOP_IDS:
-        raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop)}")
-    stop_arr = jnp.asarray(stop + [-1] * (MAX_STOP_IDS - len(stop)), jnp.int32)
+    stop, stop_arr = stop_array(stop_ids)
     _, hist, n_hist = _history(session)
     rows_fn = _rows_fn(eng) if eng.engram is not None else None
     trace = eng.tiers is not None

@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from jds41 import model as M
-from jds41.decode_loop import MAX_STOP_IDS, _history
+from jds41.decode_loop import _history, stop_array
 from jds41.layers.engram_rows import read_step_rows
 from jds41.speculative import rollback, verify_block
 
@@ -264,16 +264,13 @@ def speculative_generate(session, drafter, first_token: int, max_new: int, stop_
     eng = session.engine
     if max_new < 1:
         return []
-    stop = [int(s) for s in stop_ids]
-    if len(stop) > MAX_STOP_IDS:
-        raise ValueError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop)}")
+    stop, stop_arr = stop_array(stop_ids)
     first_token = int(first_token)
     if first_token in stop or max_new == 1 or len(session.tokens) >= eng.max_ctx:
         return [first_token]
     spec = drafter.device_spec()
     if int(spec.block_size) != session.k:
         raise ValueError(f"drafter block size {spec.block_size} != the session's {session.k}")
-    stop_arr = jnp.asarray(stop + [-1] * (MAX_STOP_IDS - len(stop)), jnp.int32)
     _, hist, n_hist = _history(session)
     rows_fn = _rows_fn(eng) if eng.engram is not None else None
     trace = eng.tiers is not None

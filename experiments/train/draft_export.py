@@ -21,22 +21,16 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from experiments.train.draft_train import short_name
-from experiments.train.export import _add, decode, encode
+from experiments.train.export import _add, decode, encode, tensor_storage_types
 from jds41.checkpoints.reader import shard_paths
-from jds41.checkpoints.schema import STANDALONE_DRAFT_KEY, Kind, draft_tensors
-from jds41.checkpoints.synth import tensor_nbytes, tensor_type
+from jds41.checkpoints.schema import STANDALONE_DRAFT_KEY, draft_tensors
+from jds41.checkpoints.synth import tensor_nbytes
 from jds41.config import ModelConfig
 
 
 def storage_types(dcfg: ModelConfig, experts: str = "mxfp4") -> dict[str, T]:
     """GGUF type of every draft tensor."""
-    out = {}
-    for name, spec in draft_tensors(dcfg).items():
-        t = tensor_type(spec, "ds4-q2")
-        if spec.kind is Kind.EXPERTS:
-            t = T.MXFP4 if experts == "mxfp4" else T.Q8_0
-        out[name] = t
-    return out
+    return tensor_storage_types(draft_tensors(dcfg), experts)
 
 
 def plan_bytes(dcfg: ModelConfig, experts: str = "mxfp4") -> int:

@@ -35,8 +35,13 @@ _VTYPES = {"str": V.STRING, "u32": V.UINT32, "i32": V.INT32, "u64": V.UINT64, "i
 
 def storage_types(cfg: ModelConfig, experts: str = "mxfp4") -> dict[str, T]:
     """GGUF type of every tensor of the schema."""
+    return tensor_storage_types(model_tensors(cfg), experts)
+
+
+def tensor_storage_types(tensors: dict, experts: str = "mxfp4") -> dict[str, T]:
+    """GGUF type of each named tensor spec: ds4's types, routed experts MXFP4 or Q8_0."""
     out = {}
-    for name, spec in model_tensors(cfg).items():
+    for name, spec in tensors.items():
         t = tensor_type(spec, "ds4-q2")
         if spec.kind is Kind.EXPERTS:
             t = T.MXFP4 if experts == "mxfp4" else T.Q8_0
