@@ -61,6 +61,25 @@ def timed(fn, *args, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+_NOT_LAUNCHED = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+
+
+def launched_ops(hlo: str) -> dict:
+    """Instructions of the optimized program's entry computation that run as device work (kernels, copies, library
+    calls), by opcode: a step of many tiny kernels is bound by launch gaps, not bytes (a few microseconds each)."""
+    counts: dict[str, int] = {}
+    entry = hlo[hlo.index("\nENTRY "):] if "\nENTRY " in hlo else ""
+    for line in entry.splitlines()[1:]:
+        if line.startswith("}"):
+            break
+        rhs = line.split(" = ", 1)[-1]
+        head = rhs.split("(", 1)[0].split() if "(" in rhs else []
+        op = head[-1] if head else ""
+        if op and op not in _NOT_LAUNCHED:
+            counts[op] = counts.get(op, 0) + 1
+    return {"total": sum(counts.values()), **dict(sorted(counts.items(), key=lambda kv: -kv[1])[:10])}
+
+
 def qbytes(*qs) -> int:
     return int(sum(np.prod(q.data.shape) * q.data.dtype.itemsize for q in qs))
 
@@ -110,35 +129,39 @@ def main(argv=None) -> int:
     parts: dict[str, float] = {}
     limit = cfg.swiglu_limit[L]
 
-    parts["mhc"] = timed(jax.jit(lambda x: rms_norm(hc_collapse(x, M._sublayer_mix(cfg, w, "attn", x)[0]),
-                                                    w["attn_norm"], cfg.rms_eps)), x, reps=a.reps)
+    # Weights are arguments, never closed over: captured arrays become program constants (3.8 GB of them on the
+    # H200's 4-layer file), which made compilation run past the call's time limit.
+    parts["mhc"] = timed(jax.jit(lambda w, x: rms_norm(hc_collapse(x, M._sublayer_mix(cfg, w, "attn", x)[0]),
+                                                       w["attn_norm"], cfg.rms_eps)), w, x, reps=a.reps)
 
-    def attention(layers, h, pos):
+    def attention(w, layers, h, pos):
         new = list(layers)
         return M._attention_block(plan, lp, w, layers, new, h, pos, {})
 
     if lp.index_source < 0 or lp.runs_indexer:  # a layer that picks its own rows can run alone
-        parts["attention"] = timed(jax.jit(attention), state["layers"], h, pos, reps=a.reps)
+        parts["attention"] = timed(jax.jit(attention), w, state["layers"], h, pos, reps=a.reps)
     if not lp.hash_layer:
-        parts["router"] = timed(jax.jit(lambda h: route(h, w["ffn_gate_inp"], w["exp_probs_b"], cfg).idx_K), h,
-                                reps=a.reps)
+        parts["router"] = timed(jax.jit(lambda w, h: route(h, w["ffn_gate_inp"], w["exp_probs_b"], cfg).idx_K), w,
+                                h, reps=a.reps)
     K = cfg.n_experts_used
     idx = jnp.asarray(rng.choice(cfg.n_experts, K, replace=False), jnp.int32)
     wts = jnp.full((K,), 1.0 / K, jnp.float32)
     stacks = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"])
-    parts["routed"] = timed(jax.jit(lambda h, i, wt: routed_experts(h, *stacks, i, wt, limit)), h, idx, wts,
+    parts["routed"] = timed(jax.jit(lambda s, h, i, wt: routed_experts(h, *s, i, wt, limit)), stacks, h, idx, wts,
                             reps=a.reps)
     if cfg.n_shared_experts:
-        parts["shared"] = timed(jax.jit(lambda h: shared_expert(h, w["ffn_gate_shexp"], w["ffn_up_shexp"],
-                                                                w["ffn_down_shexp"], cfg.swiglu_limit_shexp[L])),
-                                h, reps=a.reps)
+        parts["shared"] = timed(jax.jit(lambda w, h: shared_expert(h, w["ffn_gate_shexp"], w["ffn_up_shexp"],
+                                                                   w["ffn_down_shexp"], cfg.swiglu_limit_shexp[L])),
+                                w, h, reps=a.reps)
     if lp.engram_slot >= 0:
         e = cfg.engram
         rows = jnp.asarray(rng.integers(0, 120, (e.n_buckets, e.row_bytes)), jnp.uint8)
-        parts["engram"] = timed(jax.jit(lambda x, r: engram_combine(x, r, w["engram_wkv"], w["engram_q"],
-                                                                    w["engram_k"], cfg.rms_eps)), x, rows, reps=a.reps)
-    parts["head"] = timed(jax.jit(lambda y: qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps),
-                                                    params["output"])), h, reps=a.reps)
+        parts["engram"] = timed(jax.jit(lambda w, x, r: engram_combine(x, r, w["engram_wkv"], w["engram_q"],
+                                                                       w["engram_k"], cfg.rms_eps)), w, x, rows,
+                                reps=a.reps)
+    head = {"output_norm": params["output_norm"], "output": params["output"]}
+    parts["head"] = timed(jax.jit(lambda p, y: qmatvec(rms_norm(y, p["output_norm"], cfg.rms_eps), p["output"])),
+                          head, h, reps=a.reps)
     st = M.init_state(plan)
     step_s = None
     tok = jnp.int32(1)
@@ -151,6 +174,7 @@ def main(argv=None) -> int:
         logits, st = M.decode_step(plan, params, st, tok, rows)
     jax.block_until_ready(logits)
     step_s = (time.perf_counter() - t0) / max(10, a.reps // 10)
+    step_ops = launched_ops(M.decode_step.lower(plan, params, st, tok, rows).compile().as_text())
 
     expert = stacks[0].shape
     row = {"bench": "step_parts", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
@@ -158,6 +182,7 @@ def main(argv=None) -> int:
            "layer_kind": {"ratio": lp.ratio, "hash": lp.hash_layer, "engram": lp.engram_slot >= 0,
                           "indexer": lp.runs_indexer},
            "us": {k: round(v * 1e6, 1) for k, v in parts.items()}, "step_us": round(step_s * 1e6, 1),
+           "step_ops": step_ops,
            "routed_bytes": qbytes(*stacks) // cfg.n_experts * K,
            "head_bytes": qbytes(params["output"]),
            "expert_formats": expert_formats(cfg, expert[2], expert[1], a.reps, limit)}
