@@ -129,3 +129,26 @@ def test_split_limit_gives_the_fewest_even_shards_under_the_cap():
 
     got = shards(split_limit(cfg, types, cap))
     assert len(got) == -(-sum(sizes) // cap) == 4 and max(got) <= cap
+
+
+def test_evaluate_cli_backends_agree_on_bits_per_byte(exported, tmp_path, capsys):
+    """The batched training-forward evaluation (how the whole held-out set is reproduced on a CPU) and the
+    engine's token-by-token evaluation score the same file alike (they differ in float summation order only)."""
+    import json
+
+    from experiments.train import evaluate
+
+    docs = [{"kind": "code", "source": f"c{i}.py", "text": CODE[i % 3] * 6} for i in range(3)]
+    docs.append({"kind": "prose", "source": "p.txt", "text": "Plain English words about the weather today. " * 5})
+    heldout = str(tmp_path / "heldout.jsonl.xz")
+    evaluate.write_heldout(heldout, docs)
+    got = {}
+    for backend in ("engine", "forward"):
+        assert evaluate.main([exported["paths"][0], heldout, "--max-bytes", "0", "--backend", backend,
+                              "--batch", "2"]) == 0
+        got[backend] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["eval"]
+    for kind in ("code", "prose"):
+        e, f = got["engine"][kind], got["forward"][kind]
+        assert e["tokens"] == f["tokens"] > 0 and e["bytes"] == f["bytes"]
+        np.testing.assert_allclose(f["bits_per_byte"], e["bits_per_byte"], rtol=1e-4)
+    assert len(got["forward"]["code"]["expert_skew_top10pct"]) == exported["cfg"].n_layers
