@@ -29,27 +29,21 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-from jds41 import prefill as PF
-from jds41.engine import Engine
-from jds41.tiers.stores import ExpertLayout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import _commit  # noqa: E402  (sibling script, run as a file; honours $JDS41_COMMIT)
+
+from jds41 import prefill as PF  # noqa: E402
+from jds41.engine import Engine  # noqa: E402
+from jds41.tiers.stores import ExpertLayout  # noqa: E402
 
 BANDWIDTH = {"hbm": 4.4e12, "host": 48e9, "ssd": 1.9e9}  # bytes/s, DESIGN.md §7
 # llama.cpp prefill on the 8-layer V4-Flash shape, DESIGN.md §7 (pp4096): experts in host memory / all on the GPU
 LLAMACPP_8L = {"host_experts_tok_s": 158, "resident_tok_s": 5641}
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        return ""
 
 
 def hbm_bytes_per_token(engine: Engine) -> int:
