@@ -15,6 +15,10 @@ every prompt:
   loop, with the features injected into the DSpark drafter's state as in `dspark` (the draft pass itself is not
   run). They bound the speedup: full acceptance, and the pure verification cost under offload (every block
   rejected). With synthetic weights only these two mean anything; acceptance needs the trained model.
+Every drafting mode runs once per `--verify` choice (default `auto`; `--verify token-major,layer-major` compares
+both): the row's `verify` is the resolved one, and a layer-major row carries `speedup_vs_token_major` and
+`same_draft_stats_as_token_major` against the token-major row of its mode (same profile). Layer-major verify
+moves each host / SSD expert a block needs once instead of once per position (speculative.verify_block).
 Under a profile the draft tokens' hash-layer experts are prefetched before each verify (tiers.prefetch_tokens, in
 the Engram rows' host call) and their Engram rows are hashed and read ahead of the pass.
 
@@ -42,7 +46,7 @@ from heldout import text_prompts  # noqa: E402
 
 from jds41.decode_loop import greedy_generate  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
-from jds41.speculative import DSparkDrafter, SpeculativeSession  # noqa: E402
+from jds41.speculative import VERIFY_MODES, DSparkDrafter, SpeculativeSession, verify_layer_major  # noqa: E402
 from jds41.speculative_loop import ForcedDrafter  # noqa: E402
 
 MODES = ("plain", "dspark", "dspark-host", "oracle-right", "oracle-wrong")
@@ -82,18 +86,21 @@ def bench_profile(args, profile: str | None) -> list[dict]:
     prompts = (text_prompts(engine.tokenizer, args.texts, args.prompts, args.prompt_len) if args.texts
                else _prompts(engine.vocab_size, args.prompts, args.prompt_len, args.seed))
     plain_out: list[list[int]] = []
-    mode_stats: dict[str, list[dict]] = {}  # per mode, each prompt's draft statistics
+    mode_stats: dict[tuple, list[dict]] = {}  # per (mode, verify), each prompt's draft statistics
     results = []
-    for mode in args.modes:
-        def session(i, mode=mode):
+    # every drafting mode once per --verify choice, resolved for this profile (auto: layer-major when tiered)
+    runs = [(m, None if m == "plain" else "layer-major" if verify_layer_major(v, engine.params) else "token-major")
+            for m in args.modes for v in (args.verify if m != "plain" else [None])]
+    for mode, verify in dict.fromkeys(runs):  # an auto that resolves like an explicit choice runs once
+        def session(i, mode=mode, verify=verify):
             if mode == "plain":
                 return engine.session()
             drafter.reset()
             if mode in ("dspark", "dspark-host"):
-                return SpeculativeSession(engine, drafter, step_loop=mode == "dspark-host")
+                return SpeculativeSession(engine, drafter, step_loop=mode == "dspark-host", verify=verify)
             stream = prompts[i] + plain_out[i]
             return SpeculativeSession(engine, ForcedDrafter(engine, stream, mode == "oracle-right", drafter.block_size,
-                                                            drafter.feature_layers, inner=drafter))
+                                                            drafter.feature_layers, inner=drafter), verify=verify)
 
         if mode != "plain" and not plain_out:
             raise SystemExit("modes must start with plain (the reference)")
@@ -111,10 +118,11 @@ def bench_profile(args, profile: str | None) -> list[dict]:
                 stats.append(s.stats.to_dict())
             tokens += len(out) - 1
             seconds += sec
-        mode_stats[mode] = stats
+        mode_stats[(mode, verify)] = stats
         row = {"bench": "bench_draft", "profile": profile or "none", "mode": mode, "tokens": tokens,
                "decode_tok_s": round(tokens / seconds, 3) if seconds > 0 else None}
         if mode != "plain":
+            row["verify"] = verify
             steps = sum(x["verify_steps"] for x in stats)
             drafted = sum(x["drafted"] for x in stats)
             accepted = sum(x["accepted"] for x in stats)
@@ -129,11 +137,17 @@ def bench_profile(args, profile: str | None) -> list[dict]:
         elif results[0].get("device_loop_tok_s") and row["decode_tok_s"]:
             row["speedup_vs_device_loop"] = round(row["decode_tok_s"] / results[0]["device_loop_tok_s"], 4)
         if mode == "dspark-host":  # what moving the drafting loop onto the device bought
-            device = next((r for r in results if r["mode"] == "dspark"), None)
+            device = next((r for r in results if r["mode"] == "dspark" and r["verify"] == verify), None)
             if device is not None and device["decode_tok_s"] and row["decode_tok_s"]:
                 row["device_loop_speedup"] = round(device["decode_tok_s"] / row["decode_tok_s"], 4)
             if device is not None:  # the two paths must draft and accept exactly the same tokens
-                row["same_draft_stats_as_device_loop"] = mode_stats["dspark"] == stats
+                row["same_draft_stats_as_device_loop"] = mode_stats[("dspark", verify)] == stats
+        if verify == "layer-major":  # what verifying layer by layer bought (same drafts, same tokens)
+            tm = next((r for r in results if r["mode"] == mode and r.get("verify") == "token-major"), None)
+            if tm is not None and tm["decode_tok_s"] and row["decode_tok_s"]:
+                row["speedup_vs_token_major"] = round(row["decode_tok_s"] / tm["decode_tok_s"], 4)
+            if tm is not None:
+                row["same_draft_stats_as_token_major"] = mode_stats[(mode, "token-major")] == stats
         if engine.tiers is not None:
             row["tiers"] = engine.tiers.stats()
         results.append(row)
@@ -149,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft", default="self", help="draft GGUF, or 'self' for the model's own mtp.* stages")
     ap.add_argument("--profiles", default="none,all-hbm,lucebox,h200", help="comma separated; 'none' = resident")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma separated, plain first ({', '.join(MODES)})")
+    ap.add_argument("--verify", default="auto", help="comma separated verify modes, each drafting mode runs once "
+                    f"per mode ({', '.join(VERIFY_MODES)}; auto = layer-major when the profile tiers the experts)")
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per prompt")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -160,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     args.modes = [m for m in args.modes.split(",") if m]
     if any(m not in MODES for m in args.modes) or args.modes[0] != "plain":
         ap.error(f"--modes: plain first, then any of {', '.join(MODES[1:])}")
+    args.verify = [v for v in args.verify.split(",") if v]
+    if not args.verify or any(v not in VERIFY_MODES for v in args.verify):
+        ap.error(f"--verify: any of {', '.join(VERIFY_MODES)}")
     import jax
 
     meta = {"bench": "bench_draft", "meta": True, "commit": _commit(), "machine": platform.node(),

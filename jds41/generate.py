@@ -7,7 +7,10 @@ token is never fed back). Bad files, bad token ids and over-long prompts end wit
 
 `--draft DRAFT` drafts with DSpark (DRAFT = a separate draft GGUF, or `self` for the model file's own `mtp.*`
 stages) and verifies each block in one target pass: the tokens are exactly those without `--draft`; `--json`
-adds "draft" (acceptance rate, tokens per verify step). Greedy only: `--draft` with temperature > 0 is an error.
+adds "draft" (acceptance rate, tokens per verify step, the verify mode). Greedy only: `--draft` with temperature
+> 0 is an error. `--verify` picks how a block is verified: `token-major` (a scan of the decode step), `layer-major`
+(layer by layer, each host / SSD expert the block needs moved once), or `auto` (the default: layer-major when a
+`--profile` places the experts across tiers); the tokens are the same either way.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 from jds41.decode_loop import greedy_generate
 from jds41.engine import Engine, SamplingParams
 from jds41.errors import Jds41Error
+from jds41.speculative import VERIFY_MODES, DSparkDrafter, SpeculativeSession
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -48,6 +52,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="greedy decode one jitted step per token (with --draft: one verify step per host iteration; "
                          "the reference paths) instead of one device loop")
     ap.add_argument("--draft", default=None, help="DSpark draft: a draft GGUF, or 'self' for the model's own stages")
+    ap.add_argument("--verify", default="auto", choices=VERIFY_MODES,
+                    help="with --draft: verify blocks token-major or layer-major (auto: layer-major when a --profile "
+                         "tiers the experts)")
     return ap.parse_args(argv)
 
 
@@ -78,15 +85,14 @@ def run(args: argparse.Namespace) -> dict:
     logits: list | None = [] if args.logits else None
     session = engine.session()
     if args.draft is not None:
-        from jds41.speculative import DSparkDrafter, SpeculativeSession
-
         if args.temperature > 0:
             raise Jds41Error("--draft supports greedy decoding only (temperature 0): speculative sampling is not "
                              "implemented")
         if args.logits:
             raise Jds41Error("--draft does not record per-step logits: drop --logits or --draft")
         # greedy drafting runs as one device loop (jds41/speculative_loop.py); --step-loop: the host-orchestrated path
-        session = SpeculativeSession(engine, DSparkDrafter.open(engine, args.draft), step_loop=args.step_loop)
+        session = SpeculativeSession(engine, DSparkDrafter.open(engine, args.draft), step_loop=args.step_loop,
+                                     verify=args.verify)
     t0 = time.perf_counter()
     out: list[int] = []
     t_first = None
@@ -118,7 +124,8 @@ def run(args: argparse.Namespace) -> dict:
                     "prompt_s": round((t_first or t_end) - t0, 3),
                     "decode_tok_s": round((len(out) - 1) / decode_s, 2) if len(out) > 1 and decode_s > 0 else None},
         "tiers": engine.tiers.stats() if engine.tiers is not None else None,
-        **({"draft": {"source": args.draft, **session.stats.to_dict()}} if args.draft is not None else {}),
+        **({"draft": {"source": args.draft, "verify": session.verify_mode, **session.stats.to_dict()}}
+           if args.draft is not None else {}),
     }
 
 

@@ -24,6 +24,12 @@ Two things differ and neither changes a value:
 tests/test_prefill_layer_major.py checks logits and state bit for bit against `model.prefill` for both
 architectures, with and without a tier profile.
 
+`layer_major` is the un-jitted pass (usable inside another jit); `prefill_layer_major` is its jitted, donating
+prefill wrapper. Besides the logits and state the pass returns, only when asked (static options, so prefill pays
+nothing for them), the step's per-token extras: the routing trace, the DSpark target features, and a projection
+of each layer's state after each token. The speculative verify (speculative.verify_block, layer_major=True) asks
+for all three, so a verify block of k+1 tokens moves each needed host / SSD expert once instead of once per token.
+
 Look-ahead (plan.lookahead): the step's per-token guess of layer l+1's experts is kept (it is part of the routing
 trace); instead of one prefetch call per token per layer, layer l makes ONE prefetch call with the guesses of all
 T tokens for layer l+1, before its own SSD fetch, so those reads overlap layer l's work.
@@ -160,9 +166,12 @@ def _route(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_D, token):
     return r.idx_K, r.weight_K, r.swaps
 
 
-def _attention_pass(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: list, xs: dict, shared_in: dict):
+def _attention_pass(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: list, xs: dict, shared_in: dict,
+                    feature: bool = False, state_out=None):
     """Layer lp over the T tokens in order: Engram, attention sublayer, and the FFN's input and routing.
-    Returns (layer state after the group, per-token outputs [T, ...])."""
+    Returns (layer state after the group, per-token outputs [T, ...]). `feature`: also the block input after
+    Engram averaged over the hc copies ("feature", model.step's target feature); `state_out`: also
+    state_out(layer state after each token) ("state")."""
     cfg = plan.cfg
     w = params["blocks"][lp.index]
     source_st = layers[lp.kv_source] if 0 <= lp.kv_source != lp.index else None
@@ -171,6 +180,7 @@ def _attention_pass(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: li
         x, pre_prev, pos, token = x_in["x"], x_in["pre_prev"], x_in["pos"], x_in["token"]
         if lp.engram_slot >= 0:
             x = engram_combine(x, x_in["engram"], w["engram_wkv"], w["engram_q"], w["engram_k"], cfg.rms_eps)
+        extra = {"feature": jnp.mean(x, axis=0)} if feature else {}
         st_all = [None] * cfg.n_layers
         st_all[lp.index] = st
         new_st = list(st_all)
@@ -185,7 +195,9 @@ def _attention_pass(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: li
         idx, weight, swaps = _route(plan, lp, w, h_f, token)
         out = {"x": x, "pre": pre_f, "post": post_f, "comb": comb_f, "h": h_f, "idx": idx, "weight": weight,
                "swaps": swaps, "guess": _guess_next(plan, lp, params, h_f),
-               "shared": {_tree_key(k): v for k, v in shared.items() if _tree_key(k) not in x_in["shared"]}}
+               "shared": {_tree_key(k): v for k, v in shared.items() if _tree_key(k) not in x_in["shared"]}, **extra}
+        if state_out is not None:
+            out["state"] = state_out(new_st[lp.index])
         return new_st[lp.index], out
 
     xs = {**xs, "shared": shared_in}
@@ -233,10 +245,13 @@ def _shared_inputs(lp: M.LayerPlan, produced: dict) -> dict:
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
-def prefill_layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
-                        trace_routing: bool = False):
-    """Same contract as `model.prefill`: (logits [T, V], state[, routing with a leading T axis]), bit-identical."""
+def layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
+                trace_routing: bool = False, feature_layers: tuple[int, ...] = (), state_out=None):
+    """The layer-major pass, un-jitted (callable inside another jit, as model.step is): (logits [T, V], state,
+    extras). `extras` holds only what was asked for, each with a leading T axis: "routing" (trace_routing: the
+    step's routing trace), "features" (float32 [T, len(feature_layers), D], the step's target features) and
+    "states" (`state_out` given: a list over layers of state_out(that layer's state after each token), e.g. the
+    speculative verify's per-position compressor leaves). Nothing is computed for an extra not asked for."""
     cfg = plan.cfg
     T = tokens.shape[0]
     pos_T = state["pos"] + jnp.arange(T, dtype=jnp.int32)
@@ -245,13 +260,19 @@ def prefill_layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: ja
     layers = list(state["layers"])
     produced: dict = {}  # per-token values that later layers read (index top-k, candidate blocks)
     trace = {"experts": [], "swaps": [], "predicted_next": []}
+    features, states = {}, []
     for lp in plan.layers:
         w = params["blocks"][lp.index]
         xs = {"x": x, "pre_prev": pre_prev, "pos": pos_T, "token": tokens}
         if lp.engram_slot >= 0:
             xs["engram"] = engram_rows[:, lp.engram_slot]
-        layers[lp.index], a = _attention_pass(plan, lp, params, layers, xs, _shared_inputs(lp, produced))
+        layers[lp.index], a = _attention_pass(plan, lp, params, layers, xs, _shared_inputs(lp, produced),
+                                              lp.index in feature_layers, state_out)
         produced.update(a["shared"])
+        if lp.index in feature_layers:
+            features[lp.index] = a["feature"]
+        if state_out is not None:
+            states.append(a["state"])
         nxt = lp.index + 1
         if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
             prefetch_experts(params["blocks"][nxt]["routed"], a["guess"].reshape(-1))
@@ -269,10 +290,23 @@ def prefill_layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: ja
         return qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
 
     logits = jax.lax.map(head, {"x": x, "pre": pre_prev})
-    new_state = {"pos": state["pos"] + T, "layers": layers}
+    extras = {}
     if trace_routing:
-        return logits, new_state, {k: jnp.stack(v, axis=1) for k, v in trace.items()}
-    return logits, new_state
+        extras["routing"] = {k: jnp.stack(v, axis=1) for k, v in trace.items()}
+    if feature_layers:
+        extras["features"] = jnp.stack([features[i] for i in feature_layers], axis=1)
+    if state_out is not None:
+        extras["states"] = states
+    return logits, {"pos": state["pos"] + T, "layers": layers}, extras
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
+def prefill_layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
+                        trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
+    """Same contract as `model.prefill`: (logits [T, V], state[, routing][, features], each of the per-token
+    outputs with a leading T axis), bit-identical."""
+    logits, state, extras = layer_major(plan, params, state, tokens, engram_rows, trace_routing, feature_layers)
+    return (logits, state, *(extras[k] for k in ("routing", "features") if k in extras))
 
 
 def moved_bytes(tiers, experts_TLK: np.ndarray) -> dict:

@@ -2,11 +2,19 @@
 bit-identical to plain greedy decode (DESIGN.md §5, MODEL.md §4).
 
 One verify step with the last emitted (not yet fed) token `last` and drafts d1..dk:
-1. `verify_block` feeds [last, d1..dk] through the target as a `lax.scan` of the exact decode `step`, so every row
-   gets decode's arithmetic (the same scan `prefill` is; chunked prefill equals one-token steps bit for bit). It
-   also returns what a rollback needs: the pre-verify contents of every state row the block can overwrite (window
-   ring slots, compressed rows / index keys of the touched blocks) and the small compressor leaves after every
-   position (partial-group buffers and latent: a ratio-1/2 buffer is overwritten within the block itself).
+1. `verify_block` feeds [last, d1..dk] through the target, one of two ways with the same values bit for bit:
+   token-major, a `lax.scan` of the exact decode `step` (the same scan `prefill` is; chunked prefill equals
+   one-token steps bit for bit), or layer-major, the layer-by-layer pass of jds41/prefill.py (each layer's
+   attention scanned over the block in order, then the union of the block's experts brought from their tiers ONCE
+   for all k+1 positions, then each position's FFN). Token-major moves a position's host / SSD experts into the
+   device for every position, so under tier offload a block costs up to k+1 times the expert traffic of a decode
+   step; layer-major moves each once per block (and gathers the union's rows once even from the tier-0 stack).
+   With the model's own resident stacks (no profile) there is nothing to move and the plain scan stays, so the
+   session's `verify="auto"` picks layer-major exactly when a layer's experts are tiered (a `TieredLayer` under
+   "routed"); the choice is static and shared by the host path and the device loop. Either way it also returns
+   what a rollback needs: the pre-verify contents of every state row the block can overwrite (window ring slots,
+   compressed rows / index keys of the touched blocks) and the small compressor leaves after every position
+   (partial-group buffers and latent: a ratio-1/2 buffer is overwritten within the block itself).
 2. Greedy acceptance: t_i = argmax(logits_{i-1}); accept d_i while d_i == t_i; a accepted drafts emit d1..da and
    the target's own t_{a+1}, so each step yields a+1 >= 1 tokens, exactly plain decode's.
 3. `rollback` keeps the first a+1 positions: ring slots and compressed rows written by rejected positions get their
@@ -37,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jds41 import model as M
+from jds41 import prefill as PF
 from jds41.engine import Engine, RequestError, SamplingParams, Session
 from jds41.errors import Jds41Error
 
@@ -70,18 +79,45 @@ def _undo(plan: M.ModelPlan, state: dict, positions: jax.Array) -> list:
     return undo
 
 
+def _small_layer(st: dict) -> dict:
+    """One layer's small compressor leaves (a rollback takes them per position, not per row)."""
+    return {name: {k: st[name][k] for k in SMALL_LEAVES} for name in ("cmp", "idx")
+            if name in st and "rows" in st[name]}
+
+
 def _small(state: dict) -> list:
-    return [{name: {k: st[name][k] for k in SMALL_LEAVES} for name in ("cmp", "idx")
-             if name in st and "rows" in st[name]} for st in state["layers"]]
+    return [_small_layer(st) for st in state["layers"]]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
+VERIFY_MODES = ("auto", "token-major", "layer-major")
+
+
+def verify_layer_major(mode: str, params: dict) -> bool:
+    """Whether verify blocks run layer-major for `mode` (VERIFY_MODES): "auto" = when any layer's routed experts
+    are tiered (a `TieredLayer` under "routed"), where moving each expert once per block instead of once per
+    position is what the layer-major pass buys; with resident stacks the token-major scan is the plain path."""
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return any("routed" in b for b in params["blocks"])
+    return mode == "layer-major"
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=2)
 def verify_block(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
-                 trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
-    """Feed `tokens` [n] through decode's `step`: (logits [n, V], state, undo, small[, routing][, features]); the
-    per-position outputs have a leading n axis. n must not exceed plan.ring_slack + the window."""
+                 trace_routing: bool = False, feature_layers: tuple[int, ...] = (), layer_major: bool = False):
+    """Feed `tokens` [n] through the target: (logits [n, V], state, undo, small[, routing][, features]); the
+    per-position outputs have a leading n axis. n must not exceed plan.ring_slack + the window.
+
+    layer_major=False: a scan of decode's `step` (token-major); True: the layer-major pass (jds41/prefill.py), each
+    needed host / SSD expert moved once per block. Both return the same values bit for bit
+    (tests/test_verify_layer_major.py). The device loop calls it inside its own jit."""
     positions = state["pos"] + jnp.arange(tokens.shape[0], dtype=jnp.int32)
     undo = _undo(plan, state, positions)
+    if layer_major:
+        logits, state, extras = PF.layer_major(plan, params, state, tokens, engram_rows, trace_routing,
+                                               feature_layers, _small_layer)
+        return (logits, state, undo, extras["states"], *(extras[k] for k in ("routing", "features") if k in extras))
 
     def body(st, xs):
         tok, rows = xs
@@ -239,12 +275,17 @@ class SpeculativeSession(Session):
     `generate` runs the whole generation as one device loop (jds41/speculative_loop.py) when the drafter has a
     device form (`device_spec`); `step_loop=True`, or a host-only drafter, selects the host-orchestrated loop below
     (one verify step per Python iteration), the reference the device loop is tested against.
+
+    `verify` (VERIFY_MODES) picks how both paths run verify_block; `verify_mode` is the resolved choice
+    ("token-major" or "layer-major"), one static value for the host path and the device loop alike.
     """
 
-    def __init__(self, engine: Engine, drafter, step_loop: bool = False):
+    def __init__(self, engine: Engine, drafter, step_loop: bool = False, verify: str = "auto"):
         super().__init__(engine)
         self.drafter = drafter
         self.step_loop = step_loop or not hasattr(drafter, "device_spec")
+        self.layer_major = verify_layer_major(verify, engine.params)
+        self.verify_mode = "layer-major" if self.layer_major else "token-major"
         self.k = int(drafter.block_size)
         self.plan = dataclasses.replace(engine.plan, ring_slack=self.k)
         self.state = M.init_state(self.plan)
@@ -298,7 +339,7 @@ class SpeculativeSession(Session):
         rows = self._engram_rows(block)  # Engram rows of the draft tokens, hashed and read ahead of the pass
         logits, self.state, undo, small, *extra = verify_block(self.plan, eng.params, self.state,
                                                                jnp.asarray(block, jnp.int32), rows, trace,
-                                                               self.feature_layers)
+                                                               self.feature_layers, self.layer_major)
         a, emitted = greedy_accept(block[1:], np.asarray(logits))
         keep = a + 1
         self.state = rollback(self.plan, self.state, undo, small, jnp.int32(keep))

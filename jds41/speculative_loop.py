@@ -9,8 +9,11 @@ slower than plain decode's device loop (decode_loop.py). Here every verify step 
 1. the drafter proposes `k` tokens from its window state (`propose`, no host round trip);
 2. one host call (`io_callback`, only for Engram models, exactly where decode_loop has its own) hashes and reads the
    Engram rows of all k+1 block tokens and starts the SSD reads of their hash-layer experts;
-3. `speculative.verify_block` feeds [last, d1..dk] through the target; the greedy acceptance (longest prefix where
-   d_i == argmax of the previous row, plus the target's own next token) is a device reduction;
+3. `speculative.verify_block` feeds [last, d1..dk] through the target, layer-major or token-major as the session
+   chose (`SpeculativeSession.verify`, a static argument of the loop; "auto" = layer-major when experts are tiered,
+   so a block moves each host / SSD expert it needs once instead of once per position; both give the same values,
+   so the loop and the host reference agree either way); the greedy acceptance (longest prefix where d_i == argmax
+   of the previous row, plus the target's own next token) is a device reduction;
 4. `speculative.rollback` keeps the accepted prefix, and the kept positions' target features are injected into the
    drafter (`inject`);
 5. the emitted tokens go into a fixed-size device buffer; stop ids, `max_new` and the context end are tested on
@@ -174,9 +177,9 @@ def _pad(x, n: int):
     return jnp.zeros((n, *x.shape[1:]), x.dtype).at[:x.shape[0]].set(x)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(7, 8))
-def _loop(plan: M.ModelPlan, draft, n_max: int, rows_fn, trace: bool, params, dparams, state, dstate, first,
-          history, n_hist, stop_ids):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(8, 9))
+def _loop(plan: M.ModelPlan, draft, n_max: int, rows_fn, trace: bool, layer_major: bool, params, dparams, state,
+          dstate, first, history, n_hist, stop_ids):
     cfg = plan.cfg
     k = draft.block_size
     W = k + 1  # the verify block: [last, d1..dk]
@@ -200,7 +203,8 @@ def _loop(plan: M.ModelPlan, draft, n_max: int, rows_fn, trace: bool, params, dp
         t0 = st["pos"]
         drafts = draft.propose(dparams, dst, last, t0).astype(jnp.int32)
         block = jnp.concatenate([last[None], drafts])
-        res = verify_block(plan, params, st, block, rows_of(block, hist, n_hist), trace, feature_layers)
+        res = verify_block(plan, params, st, block, rows_of(block, hist, n_hist), trace, feature_layers,
+                           layer_major)
         logits, st, undo, small, extra = res[0], res[1], res[2], res[3], res[4:]
         targets = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # first maximum, like greedy_accept's np.argmax
         a = jnp.sum(jnp.cumprod((drafts == targets[:k]).astype(jnp.int32)))
@@ -275,8 +279,8 @@ def speculative_generate(session, drafter, first_token: int, max_new: int, stop_
     rows_fn = _rows_fn(eng) if eng.engram is not None else None
     trace = eng.tiers is not None
     out, n_out, n_all, state, dstate, routing, stats = _loop(
-        session.plan, spec, max_new, rows_fn, trace, eng.params, drafter.device_params(), session.state,
-        drafter.state, jnp.int32(first_token), hist, n_hist, stop_arr)
+        session.plan, spec, max_new, rows_fn, trace, session.layer_major, eng.params, drafter.device_params(),
+        session.state, drafter.state, jnp.int32(first_token), hist, n_hist, stop_arr)
     session.state, drafter.state = state, dstate
     n_out, n_all = int(n_out), int(n_all)
     out = [int(t) for t in np.asarray(out[:n_all])]

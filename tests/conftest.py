@@ -48,18 +48,20 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture(scope="session")
 def synthetic_model(tmp_path_factory):
-    """`synthetic_model(arch, size, quant="f32", seed=0)` -> path of a synthetic GGUF, written once per session."""
+    """`synthetic_model(arch, size, quant="f32", seed=0, draft_stages=0)` -> path of a synthetic GGUF (with that many
+    DSpark draft stages), written once per session."""
     from jds41.checkpoints.presets import preset
     from jds41.checkpoints.synth import write_synthetic
 
     root = tmp_path_factory.mktemp("models")
     cache: dict = {}
 
-    def make(arch: str, size: str, quant: str = "f32", seed: int = 0):
-        key = (arch, size, quant, seed)
+    def make(arch: str, size: str, quant: str = "f32", seed: int = 0, draft_stages: int = 0):
+        key = (arch, size, quant, seed, draft_stages)
         if key not in cache:
-            path = root / f"{arch}-{size}-{quant}-{seed}.gguf"
-            write_synthetic(path, preset(arch, size), quant=quant, seed=seed, progress=False)
+            path = root / f"{arch}-{size}-{quant}-{seed}{f'-d{draft_stages}' if draft_stages else ''}.gguf"
+            write_synthetic(path, preset(arch, size, draft_stages=draft_stages), quant=quant, seed=seed,
+                            progress=False)
             cache[key] = path
         return cache[key]
 

@@ -40,6 +40,7 @@ def test_bench_draft_runs_on_cpu(tmp_path, monkeypatch, capsys):
         if mode == "plain":
             assert r["device_loop_tok_s"] > 0
             continue
+        assert r["verify"] == "layer-major"  # auto under a profile: the experts are tiered
         assert r["speedup_vs_device_loop"] > 0
         assert r["identical_to_plain"] is True and r["speedup_vs_plain"] > 0
         if mode == "dspark-host":
@@ -49,6 +50,15 @@ def test_bench_draft_runs_on_cpu(tmp_path, monkeypatch, capsys):
         if mode == "oracle-wrong":
             assert r["acceptance_rate"] == 0.0 and r["tokens_per_step"] == 1.0
     assert runs[("all-hbm", "dspark")]["tiers"]["tokens"] > 0  # the tier runtime counted the verified tokens
+
+    # both verify modes side by side: same drafts and tokens, the layer-major row compared with the token-major one
+    assert bench.main([str(model), "--profiles", "all-hbm", "--tokens", "12", "--prompts", "2", "--prompt-len", "6",
+                       "--ctx", "256", "--modes", "plain,oracle-wrong", "--verify", "token-major,layer-major"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "bench_draft.jsonl").read_text().splitlines()][1:]
+    assert [(r["mode"], r.get("verify")) for r in rows] == [("plain", None), ("oracle-wrong", "token-major"),
+                                                           ("oracle-wrong", "layer-major")]
+    assert rows[1]["identical_to_plain"] and rows[2]["identical_to_plain"]
+    assert rows[2]["speedup_vs_token_major"] > 0 and rows[2]["same_draft_stats_as_token_major"] is True
 
 
 def test_text_prompts_take_long_enough_code_documents(tmp_path):

@@ -1,8 +1,8 @@
-"""Layer-major chunked prefill (jds41/prefill.py) against the token-major reference `model.prefill`: logits, the
-decode state and the routing trace bit for bit, for both architectures (V4.1 with shared KV / candidate blocks,
-V4 with its own indexer compressors), across two consecutive groups (the second starts from the first's state),
-with experts placed across HBM / pinned host / SSD (the SSD union read in batches smaller than the union), and
-through the engine's piece plan (full chunks, power-of-two pieces, token-major remainder).
+"""Layer-major chunked prefill (jds41/prefill.py) against the token-major reference `model.prefill`: logits, the decode
+state, the routing trace and the target features bit for bit, for both architectures (V4.1 with shared KV /
+candidate blocks, V4 with its own indexer compressors), across two consecutive groups (the second starts from the
+first's state), with experts placed across HBM / pinned host / SSD (the SSD union read in batches smaller than the
+union), and through the engine's piece plan (full chunks, power-of-two pieces, token-major remainder).
 """
 
 from __future__ import annotations
@@ -23,15 +23,17 @@ from jds41.weights import load_params
 
 
 def _run(fn, engine, tokens: list[int], T: int):
-    """Feed `tokens` in groups of T through `fn` (model.prefill's signature); logits, routing, final state."""
+    """Feed `tokens` in groups of T through `fn` (model.prefill's signature); logits, routing (with the target
+    features of the first and last layers under "features"), final state."""
     state, logits, routing = M.init_state(engine.plan), [], []
+    feature_layers = (0, engine.cfg.n_layers - 1)
     for i in range(0, len(tokens), T):
         chunk = tokens[i:i + T]
         rows = engine.engram_rows(chunk, tokens[:i])
-        out, state, trace = fn(engine.plan, engine.params, state, jnp.asarray(chunk, jnp.int32),
-                               None if rows is None else jnp.asarray(rows), True)
+        out, state, trace, features = fn(engine.plan, engine.params, state, jnp.asarray(chunk, jnp.int32),
+                                         None if rows is None else jnp.asarray(rows), True, feature_layers)
         logits.append(np.asarray(out))
-        routing.append(jax.tree.map(np.asarray, trace))
+        routing.append({**jax.tree.map(np.asarray, trace), "features": np.asarray(features)})
     return np.concatenate(logits), routing, jax.tree.map(np.asarray, state)
 
 

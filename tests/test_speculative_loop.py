@@ -6,8 +6,9 @@ drafter state leaf for leaf, draft statistics, tier counts.
 Tiny synthetic models with 2 DSpark draft stages (block 3), both architectures; the DSpark drafter from the file
 itself and from a separate draft file; forced drafts (ForcedDrafter: plain decode's continuation, or never it) for
 all-right / all-wrong blocks and for a stop id that falls inside an accepted block; a prompt that runs into the
-context end (the last iterations are plain steps); experts split across HBM / host / SSD. One max_new (N_NEW) for
-every call, so each architecture compiles the loop once per drafter kind.
+context end (the last iterations are plain steps); experts split across HBM / host / SSD, with the verify blocks
+run layer-major and token-major. One max_new (N_NEW) for every call, so each architecture compiles the loop once
+per drafter kind.
 """
 
 from __future__ import annotations
@@ -171,23 +172,44 @@ def test_context_end(engines, plain, arch):
     assert s.stats.plain_steps > 0
 
 
+def _tiered_run(path, step_loop, verify="auto"):
+    """(24 tokens, session, tier counts) of a fresh engine under ssd-heavy; step_loop None: plain decode."""
+    engine = Engine.open(path, max_ctx=CTX, profile="ssd-heavy")
+    if step_loop is None:
+        s = engine.session()
+    else:
+        s = SpeculativeSession(engine, DSparkDrafter.open(engine, "self"), step_loop=step_loop, verify=verify)
+        assert s.verify_mode == verify
+    out = list(s.generate(PROMPT, 24))
+    st = engine.tiers.stats()
+    engine.tiers.close()
+    return out, s, (st["tokens"], *(st[t]["lookups"] for t in ("hbm", "host", "ssd")))
+
+
+@pytest.fixture(scope="module")
+def tiered_plain(files):
+    """arch -> plain decode's run under ssd-heavy (shared by both verify modes)."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = _tiered_run(files(arch)[0], None)
+        return cache[arch]
+
+    return get
+
+
 @pytest.mark.slow
-def test_tiered_experts(files):
-    """Experts across HBM / host / SSD (the real O_DIRECT tier and slot cache): same tokens, state and tier counts as
-    the host path, and plain decode's tokens."""
-    path, _ = files("deepseek41")
-    outs, counts = [], []
-    for step_loop in (None, True, False):  # None: plain decode
-        engine = Engine.open(path, max_ctx=CTX, profile="ssd-heavy")
-        if step_loop is None:
-            s = engine.session()
-        else:
-            s = SpeculativeSession(engine, DSparkDrafter.open(engine, "self"), step_loop=step_loop)
-        outs.append((list(s.generate(PROMPT, 24)), s))
-        st = engine.tiers.stats()
-        counts.append((st["tokens"], *(st[t]["lookups"] for t in ("hbm", "host", "ssd"))))
-        engine.tiers.close()
-    (plain_out, _), (ref, s_ref), (got, s_got) = outs
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("verify", ["layer-major", "token-major"])
+def test_tiered_experts(files, tiered_plain, arch, verify):
+    """Experts across HBM / host / SSD (the real O_DIRECT tier and slot cache), verify blocks layer-major (each
+    expert moved once per block; what "auto" picks here) or token-major: same tokens, state and tier counts as the
+    host path with the same verify, and plain decode's tokens."""
+    path, _ = files(arch)
+    outs = [tiered_plain(arch)] + [_tiered_run(path, step_loop, verify) for step_loop in (True, False)]
+    counts = [c for _, _, c in outs]
+    (plain_out, _, _), (ref, s_ref, _), (got, s_got, _) = outs
     assert got == ref == plain_out
     # every path feeds (and records) the same committed positions with the same routing
     assert counts[0] == counts[1] == counts[2] and counts[2][0] == len(PROMPT) + 23 and counts[2][3] > 0
@@ -218,7 +240,9 @@ def test_device_loop_stops_at_a_stop_id(engines, plain):
 
 @pytest.mark.slow
 def test_cli_draft_uses_the_device_loop(files, monkeypatch, capsys):
-    """`python -m jds41.generate --draft` runs the device loop; with `--step-loop` the host path; same tokens."""
+    """`python -m jds41.generate --draft` runs the device loop; with `--step-loop` the host path; with
+    `--verify layer-major` the device loop verifies layer-major (resident experts: auto is token-major); same
+    tokens and drafts."""
     import json
 
     from jds41 import generate, speculative_loop
@@ -230,9 +254,10 @@ def test_cli_draft_uses_the_device_loop(files, monkeypatch, capsys):
     base = [path, "--tokens", ",".join(map(str, PROMPT)), "-n", str(N_NEW), "--json", "--ctx", str(CTX),
             "--ignore-eos", "--draft", draft]
     results = []
-    for extra in ([], ["--step-loop"]):
+    for extra in ([], ["--step-loop"], ["--verify", "layer-major"]):
         assert generate.main(base + extra) == 0
         results.append(json.loads(capsys.readouterr().out))
-    assert calls == [1]  # only the first run went through the device loop
-    assert results[0]["tokens"] == results[1]["tokens"] and len(results[0]["tokens"]) == N_NEW
-    assert results[0]["draft"] == results[1]["draft"]
+    assert calls == [1, 1]  # the --step-loop run did not go through the device loop
+    assert results[0]["tokens"] == results[1]["tokens"] == results[2]["tokens"] and len(results[0]["tokens"]) == N_NEW
+    assert results[0]["draft"] == results[1]["draft"] == {**results[2]["draft"], "verify": "token-major"}
+    assert results[2]["draft"]["verify"] == "layer-major"
