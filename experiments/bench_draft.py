@@ -46,7 +46,7 @@ from heldout import text_prompts  # noqa: E402
 
 from jds41.decode_loop import greedy_generate  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
-from jds41.speculative import VERIFY_MODES, DSparkDrafter, SpeculativeSession, verify_layer_major  # noqa: E402
+from jds41.speculative import VERIFY_MODES, DSparkDrafter, SpeculativeSession, resolve_verify  # noqa: E402
 from jds41.speculative_loop import ForcedDrafter  # noqa: E402
 
 MODES = ("plain", "dspark", "dspark-host", "oracle-right", "oracle-wrong")
@@ -55,6 +55,16 @@ MODES = ("plain", "dspark", "dspark-host", "oracle-right", "oracle-wrong")
 def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(16, vocab, length)] for _ in range(n)]
+
+
+def draft_summary(stats: list[dict], tokens: int) -> dict:
+    """Acceptance over runs: `stats` holds each run's DraftStats.to_dict(), `tokens` the tokens they generated after
+    their first one (the prompt's argmax, which no verify step made). Also used by router_lean/draft.py."""
+    steps = sum(x["verify_steps"] for x in stats)
+    drafted = sum(x["drafted"] for x in stats)
+    accepted = sum(x["accepted"] for x in stats)
+    return {"verify_steps": steps, "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+            "tokens_per_step": round(tokens / steps, 4) if steps else None}
 
 
 def _timed(session, prompt: list[int], n: int) -> tuple[list[int], float]:
@@ -89,7 +99,7 @@ def bench_profile(args, profile: str | None) -> list[dict]:
     mode_stats: dict[tuple, list[dict]] = {}  # per (mode, verify), each prompt's draft statistics
     results = []
     # every drafting mode once per --verify choice, resolved for this profile (auto: layer-major when tiered)
-    runs = [(m, None if m == "plain" else "layer-major" if verify_layer_major(v, engine.params) else "token-major")
+    runs = [(m, None if m == "plain" else resolve_verify(v, engine.params))
             for m in args.modes for v in (args.verify if m != "plain" else [None])]
     for mode, verify in dict.fromkeys(runs):  # an auto that resolves like an explicit choice runs once
         def session(i, mode=mode, verify=verify):
@@ -123,12 +133,7 @@ def bench_profile(args, profile: str | None) -> list[dict]:
                "decode_tok_s": round(tokens / seconds, 3) if seconds > 0 else None}
         if mode != "plain":
             row["verify"] = verify
-            steps = sum(x["verify_steps"] for x in stats)
-            drafted = sum(x["drafted"] for x in stats)
-            accepted = sum(x["accepted"] for x in stats)
-            row.update(identical_to_plain=identical, verify_steps=steps, acceptance_rate=round(accepted / drafted, 4)
-                       if drafted else None, tokens_per_step=round(tokens / steps, 4) if steps else None,
-                       block_size=drafter.block_size)
+            row.update(identical_to_plain=identical, **draft_summary(stats, tokens), block_size=drafter.block_size)
             plain_row = results[0]
             if plain_row["decode_tok_s"] and row["decode_tok_s"]:
                 row["speedup_vs_plain"] = round(row["decode_tok_s"] / plain_row["decode_tok_s"], 4)

@@ -6,6 +6,10 @@ Series = (profile, text kind). The plot has two panels against the full-size roo
 shares applied to V4.1-Flash ds4-q2, sweep.projected_roofline): routing top-k agreement, and the change in bits
 per token of the held-out text. The Pareto front of each series (points no other point beats on both speed and
 agreement) is drawn as a line; dominated points are hollow.
+
+Rows of one series at one margin from several files (a sweep with `--draft` beside the sweeps of the other measures)
+make one row: the one with the most tokens scored (the first among equals) keeps its numbers, and the others add
+the `draft_*` fields it lacks. The table's draft columns show "-" where a row has no draft measurement.
 """
 
 from __future__ import annotations
@@ -16,14 +20,21 @@ from collections import defaultdict
 
 
 def load(paths: list[str]) -> dict[tuple[str, str], list[dict]]:
-    """Rows grouped by (profile, kind), each group sorted by margin, duplicate margins kept once (first file)."""
+    """Rows grouped by (profile, kind), each group sorted by margin, duplicate margins merged into one row (the
+    most tokens scored, first file among equals; draft_* fields from any of them)."""
     series: dict[tuple[str, str], dict[float, dict]] = defaultdict(dict)
     for path in paths:
         with open(path) as fh:
             for line in fh:
                 if line.strip():
                     r = json.loads(line)
-                    series[(r["profile"], r.get("kind") or "tokens")].setdefault(r["margin"], r)
+                    group = series[(r["profile"], r.get("kind") or "tokens")]
+                    old = group.get(r["margin"])
+                    if old is not None and r.get("tokens_scored", 0) > old.get("tokens_scored", 0):
+                        old, r = r, old
+                    if old is not None:
+                        r = {**old, **{k: v for k, v in r.items() if k.startswith("draft") and k not in old}}
+                    group[r["margin"]] = r
     return {k: [v[m] for m in sorted(v)] for k, v in sorted(series.items())}
 
 
@@ -40,19 +51,30 @@ def pareto(rows: list[dict]) -> list[dict]:
 
 def table(series: dict[tuple[str, str], list[dict]]) -> str:
     head = ("| profile | text | margin | top-k agreement | KL (nats) | top-1 agreement | greedy agreement | "
-            "bits/token (change) | bits/byte | HBM / host / SSD share | full-size roofline tok/s (x) |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "bits/token (change) | bits/byte | HBM / host / SSD share | full-size roofline tok/s (x) | "
+            "draft acceptance | draft tokens/step |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for (profile, kind), rows in series.items():
         for r in rows:
             sh, bpb = r["tier_share"], r.get("bits_per_byte", float("nan"))
+            greedy = r.get("greedy_agreement", 1 if r["margin"] == 0 else None)  # none: run with --prompts 0
+            acc = r.get("draft_acceptance_rate")
+            if acc is not None and r.get("draft_identical_to_plain") is False:
+                acc = f"{acc:.4f} (NOT plain's tokens)"
             lines.append(f"| {profile} | {kind} | {r['margin']} | {r['topk_agreement']:.4f} | "
                          f"{r.get('kl_nats', 0):.2e} | {r.get('top1_agreement', 1):.4f} | "
-                         f"{r.get('greedy_agreement', 1):.4f} | {r['bits_per_token']:.4f} "
+                         f"{_num(greedy)} | {r['bits_per_token']:.4f} "
                          f"({r.get('bits_per_token_delta_pct', 0):+.2f}%) | {bpb:.4f} | "
                          f"{sh['hbm']:.3f} / {sh['host']:.3f} / {sh['ssd']:.3f} | "
-                         f"{r['full_size_roofline_tok_s']:.2f} ({r.get('full_size_speedup', 1):.3f}) |")
+                         f"{r['full_size_roofline_tok_s']:.2f} ({r.get('full_size_speedup', 1):.3f}) | "
+                         f"{_num(acc)} | {_num(r.get('draft_tokens_per_step'), '.3f')} |")
     return head + "\n".join(lines) + "\n"
+
+
+def _num(x, fmt: str = ".4f") -> str:
+    """A table cell: "-" for a missing number, text as it is."""
+    return "-" if x is None else x if isinstance(x, str) else format(x, fmt)
 
 
 def plot(series: dict[tuple[str, str], list[dict]], path: str) -> bool:

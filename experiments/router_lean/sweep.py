@@ -12,7 +12,12 @@ Per margin (margin 0 is the unbiased reference, bit for bit):
   position, and the length of the common prefix;
 - speed side: the share of selections and expert bytes per token each tier served, and the roofline tok/s of those
   bytes (experiments/bench_decode.py's bandwidths; the GPU box measures tok/s, this script on the CPU does not).
-The live guard is off here (floor 0): the sweep measures the margins themselves.
+- with `--draft DRAFT.gguf` (or `self`): draft acceptance, the DSpark drafter's greedy acceptance rate and tokens per
+  verify step on `--draft-prompts` held-out prompts (code, unless --kind says otherwise) of `--draft-prompt-len`
+  tokens for `--draft-tokens` new tokens, and whether the drafted tokens equal plain greedy decode's under the same
+  margin (they must, at every margin): draft.py.
+The live guard is off here (floor 0): the sweep measures the margins themselves. `--prompts 0` skips the greedy
+continuations (`--max-sequences 1` keeps the teacher-forced part small), for a run that is mostly about drafting.
 """
 
 from __future__ import annotations
@@ -27,10 +32,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import BW, _commit, _machine, emit, full_model_bytes, static_bytes  # noqa: E402  (sibling script)
+from draft import draft_prompts, greedy_continuation, measure_draft  # noqa: E402  (this folder: --draft)
 from heldout import read_texts  # noqa: E402
 from report import plot, table  # noqa: E402  (this folder's report: one table and plot for one or many sweeps)
 
-from jds41.decode_loop import greedy_generate  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
 from jds41.tiers.experts import with_lean_margin  # noqa: E402
 from jds41.tiers.profiles import load_profile  # noqa: E402
@@ -99,10 +104,7 @@ def evaluate_margin(engine, margin: float, sequences: list[list[int]], prompts: 
         logps.append(lp)
         nll_bits += float(-lp[np.arange(len(seq) - 1), seq[1:]].sum() / np.log(2))
     after = _snapshot(tiers)
-    gens = []
-    for p in prompts:
-        s = engine.session()
-        gens.append(greedy_generate(s, int(np.argmax(s.feed(p))), n_gen))
+    gens = [greedy_continuation(engine, p, n_gen) for p in prompts]
     tok = max(after["tokens"] - before["tokens"], 1)
     lk = after["lookups"] - before["lookups"]
     per_tier = (after["bytes"] - before["bytes"]) / tok
@@ -128,9 +130,10 @@ def evaluate_margin(engine, margin: float, sequences: list[list[int]], prompts: 
         same = [np.asarray(a[:min(len(a), len(b))]) == np.asarray(b[:min(len(a), len(b))])
                 for a, b in zip(reference["_gens"], gens)]
         prefix = [int(np.argmin(s)) if not s.all() else len(s) for s in same]
+        if same:  # none with --prompts 0
+            row.update({"greedy_agreement": round(float(np.mean(np.concatenate(same))), 5),
+                        "greedy_common_prefix_mean": round(float(np.mean(prefix)), 2)})
         row.update({"kl_nats": round(float(np.mean(kl)), 7), "top1_agreement": round(float(top1), 5),
-                    "greedy_agreement": round(float(np.mean(np.concatenate(same))), 5),
-                    "greedy_common_prefix_mean": round(float(np.mean(prefix)), 2),
                     "bits_per_token_delta_pct": round(100 * (row["bits_per_token"] / reference["bits_per_token"] - 1),
                                                       4),
                     "roofline_speedup": round(roofline / reference["roofline_tok_s"], 4),
@@ -153,6 +156,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per teacher-forced sequence")
     ap.add_argument("--generate", type=int, default=64, help="greedy tokens per continuation")
     ap.add_argument("--prompts", type=int, default=2, help="greedy continuations (first tokens of sequences)")
+    ap.add_argument("--draft", default=None, help="draft GGUF (or 'self'): measure draft acceptance per margin")
+    ap.add_argument("--draft-prompts", type=int, default=3, help="with --draft: prompts (held-out, as bench_draft)")
+    ap.add_argument("--draft-prompt-len", type=int, default=128, help="with --draft: tokens per prompt")
+    ap.add_argument("--draft-tokens", type=int, default=48, help="with --draft: new tokens per prompt")
     ap.add_argument("--workdir", default="/tmp/jds41-lean-sweep")
     ap.add_argument("--out", default=None)
     ap.add_argument("--table", default=None)
@@ -162,8 +169,9 @@ def main(argv=None) -> list[dict]:
     margins = [float(m) for m in a.margins.split(",")]
     if margins[0] != 0.0:
         margins = [0.0, *margins]  # the unbiased reference comes first
-    engine = Engine.open(a.model, max_ctx=a.seq_len + a.generate + 64,
-                         profile=sweep_profile(a.profile, max(margins), a.workdir), usage=a.usage)
+    ctx = max(a.seq_len + a.generate, a.draft_prompt_len + a.draft_tokens if a.draft else 0) + 64
+    engine = Engine.open(a.model, max_ctx=ctx, profile=sweep_profile(a.profile, max(margins), a.workdir),
+                         usage=a.usage)
     text_bytes = None
     if a.texts:
         docs = read_texts(a.texts, a.kind)[:a.max_docs]
@@ -179,10 +187,22 @@ def main(argv=None) -> list[dict]:
               "model": os.path.basename(a.model), "profile": a.profile, "kind": a.kind,
               "full_size_model": {k: v for k, v in FULL.items()},
               "tokens_scored": sum(len(s) - 1 for s in sequences), "generate": a.generate}
+    drafter, d_prompts, d_ref = None, [], None
+    if a.draft:
+        from jds41.speculative import DSparkDrafter
+
+        drafter = DSparkDrafter.open(engine, a.draft)
+        d_prompts = draft_prompts(engine, a.texts, a.kind, a.draft_prompts, a.draft_prompt_len)
+        common.update({"draft": os.path.basename(a.draft), "draft_prompts": len(d_prompts),
+                       "draft_prompt_len": a.draft_prompt_len, "draft_new_tokens": a.draft_tokens,
+                       "draft_block_size": drafter.block_size})
     rows, ref = [], None
     for m in margins:  # each row is written when measured: a run cut short by a time limit keeps its points
         row = evaluate_margin(engine, m, sequences, prompts, a.generate, ref, text_bytes)
         ref = ref or row
+        if drafter is not None:  # same engine, placement and fixed margin
+            row.update(measure_draft(engine, drafter, m, d_prompts, a.draft_tokens, d_ref))
+            d_ref = d_ref or row
         rows.append({**common, **{k: v for k, v in row.items() if not k.startswith("_")}})
         emit(rows[-1], a.out)
     out = rows
