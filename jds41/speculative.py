@@ -46,10 +46,9 @@ import numpy as np
 
 from jds41 import model as M
 from jds41 import prefill as PF
+from jds41.block_step import SMALL_LEAVES, step_rows
 from jds41.engine import Engine, RequestError, SamplingParams, Session
 from jds41.errors import Jds41Error
-
-SMALL_LEAVES = ("kv_buf", "score_buf", "latent")  # per-position copies from the verify scan
 
 
 # ---- target side: verify and rollback ---------------------------------------------------------------------------
@@ -92,29 +91,35 @@ def _small(state: dict) -> list:
 VERIFY_MODES = ("auto", "token-major", "layer-major")
 
 
-def verify_layer_major(mode: str, params: dict) -> bool:
-    """Whether verify blocks run layer-major for `mode` (VERIFY_MODES): "auto" = when any layer's routed experts
-    are tiered (a `TieredLayer` under "routed"), where moving each expert once per block instead of once per
-    position is what the layer-major pass buys; with resident stacks the token-major scan is the plain path."""
+def resolve_verify(mode: str, params: dict) -> str:
+    """How verify blocks run for `mode` (VERIFY_MODES): "auto" = "layer-major" when any layer's routed experts are
+    tiered (a `TieredLayer` under "routed"), where moving each expert once per block instead of once per position
+    is what the layer-major pass buys; with resident stacks the token-major scan is the plain path. (The third
+    way, "batched", is not chosen here: it is exact only against decode at the same row width.)"""
     if mode not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {mode!r}")
     if mode == "auto":
-        return any("routed" in b for b in params["blocks"])
-    return mode == "layer-major"
+        return "layer-major" if any("routed" in b for b in params["blocks"]) else "token-major"
+    return mode
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=2)
 def verify_block(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
-                 trace_routing: bool = False, feature_layers: tuple[int, ...] = (), layer_major: bool = False):
+                 trace_routing: bool = False, feature_layers: tuple[int, ...] = (), how: str = "token-major"):
     """Feed `tokens` [n] through the target: (logits [n, V], state, undo, small[, routing][, features]); the
-    per-position outputs have a leading n axis. n must not exceed plan.ring_slack + the window.
+    per-position outputs have a leading n axis. n must not exceed plan.ring_slack + the window + 1.
 
-    layer_major=False: a scan of decode's `step` (token-major); True: the layer-major pass (jds41/prefill.py), each
-    needed host / SSD expert moved once per block. Both return the same values bit for bit
-    (tests/test_verify_layer_major.py). The device loop calls it inside its own jit."""
+    how="token-major": a scan of decode's `step`; "layer-major": the layer-major pass (jds41/prefill.py), each needed
+    host / SSD expert moved once per block; both equal plain decode bit for bit (tests/test_verify_layer_major.py).
+    "batched": all n rows in one row-batched pass (jds41/block_step.py), equal bit for bit to decode at row width n
+    (block_step.decode_rows), not to the one-token step. The device loop calls it inside its own jit."""
     positions = state["pos"] + jnp.arange(tokens.shape[0], dtype=jnp.int32)
     undo = _undo(plan, state, positions)
-    if layer_major:
+    if how == "batched":
+        logits, state, small, *extra = step_rows(plan, params, state, tokens, engram_rows, trace_routing,
+                                                 feature_layers)
+        return (logits, state, undo, small, *extra)
+    if how == "layer-major":
         logits, state, extras = PF.layer_major(plan, params, state, tokens, engram_rows, trace_routing,
                                                feature_layers, _small_layer)
         return (logits, state, undo, extras["states"], *(extras[k] for k in ("routing", "features") if k in extras))
@@ -284,8 +289,7 @@ class SpeculativeSession(Session):
         super().__init__(engine)
         self.drafter = drafter
         self.step_loop = step_loop or not hasattr(drafter, "device_spec")
-        self.layer_major = verify_layer_major(verify, engine.params)
-        self.verify_mode = "layer-major" if self.layer_major else "token-major"
+        self.verify_mode = resolve_verify(verify, engine.params)
         self.k = int(drafter.block_size)
         self.plan = dataclasses.replace(engine.plan, ring_slack=self.k)
         self.state = M.init_state(self.plan)
@@ -339,7 +343,7 @@ class SpeculativeSession(Session):
         rows = self._engram_rows(block)  # Engram rows of the draft tokens, hashed and read ahead of the pass
         logits, self.state, undo, small, *extra = verify_block(self.plan, eng.params, self.state,
                                                                jnp.asarray(block, jnp.int32), rows, trace,
-                                                               self.feature_layers, self.layer_major)
+                                                               self.feature_layers, self.verify_mode)
         a, emitted = greedy_accept(block[1:], np.asarray(logits))
         keep = a + 1
         self.state = rollback(self.plan, self.state, undo, small, jnp.int32(keep))

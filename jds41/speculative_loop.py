@@ -178,7 +178,7 @@ def _pad(x, n: int):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(8, 9))
-def _loop(plan: M.ModelPlan, draft, n_max: int, rows_fn, trace: bool, layer_major: bool, params, dparams, state,
+def _loop(plan: M.ModelPlan, draft, n_max: int, rows_fn, trace: bool, how: str, params, dparams, state,
           dstate, first, history, n_hist, stop_ids):
     cfg = plan.cfg
     k = draft.block_size
@@ -204,7 +204,7 @@ def _loop(plan: M.ModelPlan, draft, n_max: int, rows_fn, trace: bool, layer_majo
         drafts = draft.propose(dparams, dst, last, t0).astype(jnp.int32)
         block = jnp.concatenate([last[None], drafts])
         res = verify_block(plan, params, st, block, rows_of(block, hist, n_hist), trace, feature_layers,
-                           layer_major)
+                           how)
         logits, st, undo, small, extra = res[0], res[1], res[2], res[3], res[4:]
         targets = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # first maximum, like greedy_accept's np.argmax
         a = jnp.sum(jnp.cumprod((drafts == targets[:k]).astype(jnp.int32)))
@@ -279,7 +279,7 @@ def speculative_generate(session, drafter, first_token: int, max_new: int, stop_
     rows_fn = _rows_fn(eng) if eng.engram is not None else None
     trace = eng.tiers is not None
     out, n_out, n_all, state, dstate, routing, stats = _loop(
-        session.plan, spec, max_new, rows_fn, trace, session.layer_major, eng.params, drafter.device_params(),
+        session.plan, spec, max_new, rows_fn, trace, session.verify_mode, eng.params, drafter.device_params(),
         session.state, drafter.state, jnp.int32(first_token), hist, n_hist, stop_arr)
     session.state, drafter.state = state, dstate
     n_out, n_all = int(n_out), int(n_all)

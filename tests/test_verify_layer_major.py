@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jds41.engine import Engine
-from jds41.speculative import SpeculativeSession, rollback, verify_block, verify_layer_major
+from jds41.speculative import SpeculativeSession, resolve_verify, rollback, verify_block
 
 ARCHS = ("deepseek4", "deepseek41")
 CTX = 96
@@ -56,7 +56,7 @@ def test_layer_major_verify_equals_token_major_bitwise(synthetic_model, tmp_path
         tiers = engine.tiers.tier_LE
         assert all(set(np.unique(tiers[layer]).tolist()) == {0, 1, 2} for layer in range(engine.cfg.n_layers))
         s = SpeculativeSession(engine, _Drafter(engine))
-        assert s.layer_major and s.verify_mode == "layer-major"  # auto: the experts are tiered
+        assert s.verify_mode == "layer-major"  # auto: the experts are tiered
         assert s.feature_layers
         rng = np.random.default_rng(0)
         last = int(np.argmax(s.feed(rng.integers(8, engine.vocab_size, 6).tolist())))
@@ -64,8 +64,8 @@ def test_layer_major_verify_equals_token_major_bitwise(synthetic_model, tmp_path
         for _ in range(12):
             block = [last] + rng.integers(8, engine.vocab_size, s.k).tolist()
             args = (jnp.asarray(block, jnp.int32), s._engram_rows(block), True, s.feature_layers)
-            want = verify_block(s.plan, engine.params, jax.tree.map(jnp.copy, s.state), *args, False)
-            got = verify_block(s.plan, engine.params, jax.tree.map(jnp.copy, s.state), *args, True)
+            want = verify_block(s.plan, engine.params, jax.tree.map(jnp.copy, s.state), *args, "token-major")
+            got = verify_block(s.plan, engine.params, jax.tree.map(jnp.copy, s.state), *args, "layer-major")
             assert len(got) == len(want) == 6  # logits, state, undo, small, routing, features
             assert got[0].shape == (s.k + 1, engine.vocab_size)
             assert got[5].shape == (s.k + 1, len(s.feature_layers), engine.cfg.dim) and got[5].dtype == jnp.float32
@@ -83,7 +83,8 @@ def test_layer_major_verify_equals_token_major_bitwise(synthetic_model, tmp_path
 
 def test_verify_mode_choice():
     resident, tiered = {"blocks": [{}, {}]}, {"blocks": [{}, {"routed": object()}]}
-    assert not verify_layer_major("auto", resident) and verify_layer_major("auto", tiered)
-    assert verify_layer_major("layer-major", resident) and not verify_layer_major("token-major", tiered)
+    assert resolve_verify("auto", resident) == "token-major" and resolve_verify("auto", tiered) == "layer-major"
+    assert resolve_verify("layer-major", resident) == "layer-major"
+    assert resolve_verify("token-major", tiered) == "token-major"
     with pytest.raises(ValueError, match="verify must be one of"):
-        verify_layer_major("column-major", tiered)
+        resolve_verify("column-major", tiered)

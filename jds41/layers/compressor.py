@@ -75,21 +75,27 @@ def _pool(spec: CompressorSpec, kv_buf: jax.Array, score_buf: jax.Array, block: 
     return jnp.sum(weights * kv, axis=0)
 
 
-def update(spec: CompressorSpec, state: dict, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array,
-           eps: float, prefix: str = "attn_compressor") -> tuple[dict, jax.Array, jax.Array]:
-    """Feed one token; returns (state, emitted, block): `emitted` says whether row `block` was written now.
-
-    `w` holds the layer's tensors by short GGUF name (`{prefix}_kv`, `_gate`, `_ape`, `_norm`).
-    """
-    r = spec.ratio
+def project(spec: CompressorSpec, w: dict, h_D: jax.Array, pos: jax.Array, prefix: str = "attn_compressor"
+            ) -> tuple[jax.Array, jax.Array | None]:
+    """One token's projections (kv_t, score_t; score_t None without a gate): the part of `update` that depends on
+    the token alone, so a row-batched step (jds41/block_step.py) can compute it for all rows at once."""
     kv_t = qmatvec(h_D, w[f"{prefix}_kv"])
+    if not spec.has_gate:
+        return kv_t, None
+    sc_t = qmatvec(h_D, w[f"{prefix}_gate"])
+    if spec.has_ape:
+        sc_t = sc_t + w[f"{prefix}_ape"][pos % spec.ratio]
+    return kv_t, sc_t
+
+
+def absorb(spec: CompressorSpec, state: dict, w: dict, kv_t: jax.Array, sc_t: jax.Array | None, pos: jax.Array,
+           freqs: jax.Array, eps: float, prefix: str = "attn_compressor") -> tuple[dict, jax.Array, jax.Array]:
+    """Take one token's projections into the state (ring buffers, pooling, the emitted row): the sequential part."""
+    r = spec.ratio
     slot = pos % spec.buf_len
     kv_buf = jax.lax.dynamic_update_index_in_dim(state["kv_buf"], kv_t, slot, 0)
     score_buf = state["score_buf"]
     if spec.has_gate:
-        sc_t = qmatvec(h_D, w[f"{prefix}_gate"])
-        if spec.has_ape:
-            sc_t = sc_t + w[f"{prefix}_ape"][pos % r]
         score_buf = jax.lax.dynamic_update_index_in_dim(score_buf, sc_t, slot, 0)
     block = pos // r
     emitted = (pos + 1) % r == 0
@@ -100,6 +106,16 @@ def update(spec: CompressorSpec, state: dict, w: dict, h_D: jax.Array, pos: jax.
     rows = jax.lax.dynamic_update_index_in_dim(state["rows"], jnp.where(emitted, row, old), block, 0)
     latent = jnp.where(emitted, latent, state["latent"])
     return {"kv_buf": kv_buf, "score_buf": score_buf, "rows": rows, "latent": latent}, emitted, block
+
+
+def update(spec: CompressorSpec, state: dict, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array,
+           eps: float, prefix: str = "attn_compressor") -> tuple[dict, jax.Array, jax.Array]:
+    """Feed one token; returns (state, emitted, block): `emitted` says whether row `block` was written now.
+
+    `w` holds the layer's tensors by short GGUF name (`{prefix}_kv`, `_gate`, `_ape`, `_norm`).
+    """
+    kv_t, sc_t = project(spec, w, h_D, pos, prefix)
+    return absorb(spec, state, w, kv_t, sc_t, pos, freqs, eps, prefix)
 
 
 def visible_mask(n_rows: int, ratio: int, pos: jax.Array) -> jax.Array:

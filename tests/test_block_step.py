@@ -1,0 +1,99 @@
+"""Decode at a row width (jds41/block_step.py): a verify block of W real rows equals decode at the same width.
+
+The row-batched step is the same model as the one-token step (close, not bit-equal: batched matvecs sum in their
+own order), and it is bit-identical to itself across calls: row i of a verify block (speculative.verify_block
+how="batched") gives exactly the logits and state that decode at width W (block_step.decode_rows: the token in
+row 0, padding after it, rolled back to one position) gives at that position. That is what makes drafting exact
+when the engine decodes at the verify width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jds41 import model as M
+from jds41.block_step import decode_rows
+from jds41.engine import Engine
+from jds41.speculative import rollback, verify_block
+
+CTX = 96
+W = 4
+SPLIT = {"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3, "placement_source": "uniform",
+         "slot_cache_slots": 2, "lookahead": 1}
+
+
+def _rows(engine, tokens, history):
+    rows = engine.engram_rows(tokens, history)
+    return None if rows is None else jnp.asarray(rows)
+
+
+def _same(got, want, what):
+    lg = jax.tree_util.tree_flatten_with_path(jax.device_get(got))[0]
+    lw = jax.tree_util.tree_flatten_with_path(jax.device_get(want))[0]
+    assert [p for p, _ in lg] == [p for p, _ in lw], what
+    for (path, g), (_, w) in zip(lg, lw, strict=True):
+        np.testing.assert_array_equal(g, w, err_msg=f"{what}{jax.tree_util.keystr(path)}")
+
+
+def _open(synthetic_model, tmp_path, arch, tiered):
+    profile = None
+    if tiered:
+        profile = tmp_path / "split3.json"
+        profile.write_text(json.dumps(SPLIT))
+    engine = Engine.open(str(synthetic_model(arch, "tiny", "q8")), max_ctx=CTX,
+                         profile=None if profile is None else str(profile))
+    return engine, dataclasses.replace(engine.plan, ring_slack=W - 1)
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("arch,tiered", [pytest.param("deepseek4", False, marks=SLOW), ("deepseek41", False),
+                                         pytest.param("deepseek41", True, marks=SLOW)])
+def test_verify_rows_equal_decode_at_the_same_width(synthetic_model, tmp_path, arch, tiered):
+    engine, plan = _open(synthetic_model, tmp_path, arch, tiered)
+    try:
+        rng = np.random.default_rng(1)
+        prompt = rng.integers(8, engine.vocab_size, 5).tolist()
+        stream = rng.integers(8, engine.vocab_size, 30).tolist()
+        state0 = M.init_state(plan)
+        _, state0 = M.prefill(plan, engine.params, state0, jnp.asarray(prompt, jnp.int32),
+                              _rows(engine, prompt, []))
+        # decode at width W, one position per call: the reference
+        want_logits, want_states, st = [], [], jax.tree.map(jnp.copy, state0)
+        for i, t in enumerate(stream):
+            rows = _rows(engine, [t], prompt + stream[:i])
+            lg, st = decode_rows(plan, engine.params, st, jnp.int32(t), None if rows is None else rows[0], W)
+            want_logits.append(np.asarray(lg))
+            want_states.append(jax.tree.map(np.asarray, st))
+        # verify blocks of W real rows, keeping a random prefix of each
+        st, i, n_blocks = jax.tree.map(jnp.copy, state0), 0, 0
+        while i + W <= len(stream):
+            block = stream[i:i + W]
+            res = verify_block(plan, engine.params, st, jnp.asarray(block, jnp.int32),
+                               _rows(engine, block, prompt + stream[:i]), how="batched")
+            keep = int(rng.integers(1, W + 1))
+            for j in range(keep):
+                np.testing.assert_array_equal(np.asarray(res[0][j]), want_logits[i + j], err_msg=f"position {i + j}")
+            st = rollback(plan, res[1], res[2], res[3], jnp.int32(keep))
+            i += keep
+            n_blocks += 1
+            _same(st, want_states[i - 1], f"state after position {i - 1}")
+        assert n_blocks >= 8 and i >= 20  # past several compressor group ends
+        # the same model as the one-token step (the reference path), up to summation order
+        ref_state = jax.tree.map(jnp.copy, state0)
+        for j, t in enumerate(stream[:8]):
+            rows = _rows(engine, [t], prompt + stream[:j])
+            lg, ref_state = M.decode_step(plan, engine.params, ref_state, jnp.int32(t),
+                                          None if rows is None else rows[0])
+            scale = np.abs(want_logits[j]).max()
+            np.testing.assert_allclose(want_logits[j], np.asarray(lg), atol=1e-4 * scale, rtol=0)
+    finally:
+        if engine.tiers is not None:
+            engine.tiers.close()
