@@ -202,16 +202,33 @@ def step_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_W: jax.Array,
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
-def decode_rows(plan: M.ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows=None,
-                width: int = 2):
-    """One decode step at row width `width`: the token in row 0, padding after it, the state rolled back to one
-    position -> (logits [V], state). Bit-identical to row 0 of a verify block of the same width."""
-    from jds41.speculative import rollback, verify_block
+def step_at_width(plan: M.ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows=None,
+                  trace_routing: bool = False, feature_layers: tuple[int, ...] = (), width: int | None = None):
+    """`model.step`'s contract at the plan's decode width (or `width`): 1 is `model.step` itself; W > 1 runs the
+    W-row pass with the token in row 0 and padding after it, and rolls the state back to one position. Row 0 is
+    bit-identical to row 0 of a verify block of the same width (tests/test_block_step.py)."""
+    from jds41.speculative import _undo, rollback
 
-    tokens = jnp.zeros((width,), jnp.int32).at[0].set(token)
+    W = plan.decode_width if width is None else width
+    if W == 1:
+        return M.step(plan, params, state, token, engram_rows, trace_routing, feature_layers)
+    tokens = jnp.zeros((W,), jnp.int32).at[0].set(token)
     rows = None
     if engram_rows is not None:
-        rows = jnp.zeros((width, *engram_rows.shape), engram_rows.dtype).at[0].set(engram_rows)
-    res = verify_block(plan, params, state, tokens, rows, how="batched")
-    return res[0][0], rollback(plan, res[1], res[2], res[3], jnp.int32(1))
+        rows = jnp.zeros((W, *engram_rows.shape), engram_rows.dtype).at[0].set(engram_rows)
+    undo = _undo(plan, state, state["pos"] + jnp.arange(W, dtype=jnp.int32))
+    logits, st, small, *extra = step_rows(plan, params, state, tokens, rows, trace_routing, feature_layers)
+    st = rollback(plan, st, undo, small, jnp.int32(1))
+    return (logits[0], st, *(jax.tree.map(lambda a: a[0], e) for e in extra))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=2)
+def decode_rows(plan: M.ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows=None,
+                trace_routing: bool = False, feature_layers: tuple[int, ...] = (), width: int | None = None):
+    """`model.decode_step` at the plan's decode width (or `width`): (logits [V], state[, routing][, features])."""
+    return step_at_width(plan, params, state, token, engram_rows, trace_routing, feature_layers, width)
+
+
+def decode_step_for(plan: M.ModelPlan):
+    """The jitted one-position decode of this plan: `model.decode_step` at width 1, else `decode_rows`."""
+    return M.decode_step if plan.decode_width == 1 else decode_rows

@@ -26,6 +26,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from jds41 import model as M
+from jds41.block_step import step_at_width
 from jds41.layers.engram_rows import read_step_rows
 
 MAX_STOP_IDS = 8  # stop ids are a fixed-size array (padded with -1) so the loop compiles once per model
@@ -72,7 +73,7 @@ def _loop(plan: M.ModelPlan, n_max: int, rows_fn, trace: bool, params, state, fi
         if rows_fn is not None:
             shape = (len(cfg.engram.layer_ids), cfg.engram.n_buckets, cfg.engram.row_bytes)
             rows = io_callback(rows_fn, jax.ShapeDtypeStruct(shape, jnp.uint8), tok, hist, n_hist, ordered=False)
-        res = M.step(plan, params, st, tok, rows, trace)
+        res = step_at_width(plan, params, st, tok, rows, trace)
         logits, st = res[0], res[1]
         pred = jnp.argmax(logits).astype(jnp.int32)  # first maximum, like numpy's argmax in engine.sample
         nxt = pred if forced is None else forced[count]

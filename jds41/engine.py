@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jds41 import model as M
+from jds41.block_step import decode_step_for
 from jds41.checkpoints import open_model
 from jds41.errors import Jds41Error
 from jds41.layers.engram_rows import EngramHasher, MmapRowSource, read_step_rows
@@ -67,11 +68,13 @@ class Engine:
     @classmethod
     def open(cls, path: str, max_ctx: int | None = None, numerics: str = "jds41", profile: str | None = None,
              usage: str | None = None, progress: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-             prefix_cache_bytes: int = 0, prefix_cache_dir: str | None = None) -> Engine:
+             prefix_cache_bytes: int = 0, prefix_cache_dir: str | None = None, decode_width: int = 1) -> Engine:
         """Open a model; with `profile` (a shipped name or a JSON path) the routed experts are placed across HBM,
         pinned host memory and the SSD by it (`usage`: a usage.json overriding the profile's placement source).
         `prefill_chunk`: tokens per layer-major prefill group (0: token-major only); `prefix_cache_bytes` > 0
-        keeps prompt snapshots in host memory (and in `prefix_cache_dir` when given, across restarts)."""
+        keeps prompt snapshots in host memory (and in `prefix_cache_dir` when given, across restarts).
+        `decode_width` W > 1 decodes every position through the W-row batched pass (jds41/block_step.py), the
+        numerics that a DSpark verify of W rows (block size W - 1) shares bit for bit; 1 is the one-token step."""
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         if numerics not in NUMERICS:
@@ -104,7 +107,7 @@ class Engine:
         params = jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, params)
         lean = tiers.profile.router_lean if tiers is not None else None
         plan = M.make_plan(cfg, ctx, lean_margin=lean.margin if lean is not None and lean.enabled else None,
-                           lookahead=tiers is not None and tiers.profile.lookahead_depth > 0)
+                           lookahead=tiers is not None and tiers.profile.lookahead_depth > 0, decode_width=decode_width)
         engine = cls(path, gguf, params, plan, Tokenizer.from_metadata(gguf.metadata, path), engram,
                      time.perf_counter() - t0, tiers)
         engine.load_stats = {"bytes": loaded.bytes, "seconds": round(loaded.seconds, 3),
@@ -268,8 +271,9 @@ class Session:
             self._at_boundary(logits[-1])
         for t in tokens[i:]:
             rows = self._engram_rows([t])
-            logits, self.state, *routing = M.decode_step(eng.plan, eng.params, self.state, jnp.asarray(t, jnp.int32),
-                                                         None if rows is None else rows[0], eng.tiers is not None)
+            logits, self.state, *routing = decode_step_for(eng.plan)(
+                eng.plan, eng.params, self.state, jnp.asarray(t, jnp.int32), None if rows is None else rows[0],
+                eng.tiers is not None)
             self._record([jax.tree.map(lambda a: a[None], r) for r in routing])
             out.append(logits[None])
             self.tokens.append(t)

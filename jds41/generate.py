@@ -11,6 +11,11 @@ adds "draft" (acceptance rate, tokens per verify step, the verify mode). Greedy 
 > 0 is an error. `--verify` picks how a block is verified: `token-major` (a scan of the decode step), `layer-major`
 (layer by layer, each host / SSD expert the block needs moved once), or `auto` (the default: layer-major when a
 `--profile` places the experts across tiers); the tokens are the same either way.
+
+`--decode-width W` decodes every position through the W-row batched pass (jds41/block_step.py) instead of the
+one-token step: the numerics that a DSpark verify of W rows shares bit for bit, so with `--draft` (block size W-1)
+each verify block is ONE batched pass instead of W steps, and the tokens equal those of `--decode-width W` without
+`--draft`. (Width 1 and width W are each exact against themselves; they agree to float rounding, not bitwise.)
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--verify", default="auto", choices=VERIFY_MODES,
                     help="with --draft: verify blocks token-major or layer-major (auto: layer-major when a --profile "
                          "tiers the experts)")
+    ap.add_argument("--decode-width", type=int, default=1,
+                    help="decode through the W-row batched pass (with --draft: W = block size + 1, one-pass verify)")
     return ap.parse_args(argv)
 
 
@@ -74,8 +81,10 @@ def _prompt_ids(args: argparse.Namespace, engine: Engine) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.decode_width < 1:
+        raise Jds41Error(f"--decode-width must be >= 1, got {args.decode_width}")
     engine = Engine.open(args.model, max_ctx=args.ctx, profile=args.profile, usage=args.usage, progress=True,
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, decode_width=args.decode_width)
     prompt = _prompt_ids(args, engine)
     if not prompt:
         raise Jds41Error("the prompt is empty")

@@ -73,13 +73,18 @@ class ModelPlan:
     # Extra window-ring rows so a speculative verify block never evicts a row still visible after a rollback
     # (attention.window_rows reads the same rows in the same order whatever the slack).
     ring_slack: int = 0
+    # Decode row width (jds41/block_step.py): 1 = the one-token `step`; W > 1 = every decode step runs the W-row
+    # batched pass with the token in row 0, the numerics a speculative verify of W rows shares bit for bit.
+    decode_width: int = 1
 
     def n_rows(self, ratio: int) -> int:
         return -(-self.max_ctx // ratio)
 
 
 def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None, lookahead: bool = False,
-              ring_slack: int = 0) -> ModelPlan:
+              ring_slack: int = 0, decode_width: int = 1) -> ModelPlan:
+    if decode_width < 1:
+        raise ValueError(f"decode_width must be >= 1, got {decode_width}")
     layers = []
     for i in range(cfg.n_layers):
         r = cfg.ratio(i)
@@ -101,7 +106,7 @@ def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None, 
             engram_slot=cfg.engram.layer_ids.index(i) if cfg.is_engram_layer(i) else -1,
             hash_layer=cfg.is_hash_layer(i)))
     return ModelPlan(cfg=cfg, max_ctx=max_ctx, layers=tuple(layers), lean_margin=lean_margin, lookahead=lookahead,
-                     ring_slack=ring_slack)
+                     ring_slack=max(ring_slack, decode_width - 1), decode_width=decode_width)
 
 
 def init_state(plan: ModelPlan) -> dict:

@@ -46,7 +46,7 @@ import numpy as np
 
 from jds41 import model as M
 from jds41 import prefill as PF
-from jds41.block_step import SMALL_LEAVES, step_rows
+from jds41.block_step import SMALL_LEAVES, decode_step_for, step_rows
 from jds41.engine import Engine, RequestError, SamplingParams, Session
 from jds41.errors import Jds41Error
 
@@ -290,6 +290,13 @@ class SpeculativeSession(Session):
         self.drafter = drafter
         self.step_loop = step_loop or not hasattr(drafter, "device_spec")
         self.verify_mode = resolve_verify(verify, engine.params)
+        width = engine.plan.decode_width
+        if width > 1:  # the engine decodes at a row width: verify blocks must be exactly that wide, and batched
+            if int(drafter.block_size) + 1 != width:
+                raise Jds41Error(f"the engine decodes at width {width}, but a drafter of block size "
+                                 f"{int(drafter.block_size)} verifies {int(drafter.block_size) + 1} rows: use decode "
+                                 f"width {int(drafter.block_size) + 1} (or 1)")
+            self.verify_mode = "batched"
         self.k = int(drafter.block_size)
         self.plan = dataclasses.replace(engine.plan, ring_slack=self.k)
         self.state = M.init_state(self.plan)
@@ -323,8 +330,9 @@ class SpeculativeSession(Session):
             i += PREFILL_CHUNK
         for t in tokens[i:]:
             rows = self._engram_rows([t])
-            logits, self.state, *extra = M.decode_step(self.plan, eng.params, self.state, jnp.asarray(t, jnp.int32),
-                                                       None if rows is None else rows[0], trace, self.feature_layers)
+            logits, self.state, *extra = decode_step_for(self.plan)(
+                self.plan, eng.params, self.state, jnp.asarray(t, jnp.int32), None if rows is None else rows[0], trace,
+                self.feature_layers)
             self._record([jax.tree.map(lambda a: a[None], extra[0])] if trace else [])
             if self.feature_layers:
                 self.drafter.observe(extra[-1][None], len(self.tokens), 1)

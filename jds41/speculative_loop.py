@@ -42,6 +42,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from jds41 import model as M
+from jds41.block_step import step_at_width
 from jds41.decode_loop import _history, stop_array
 from jds41.layers.engram_rows import read_step_rows
 from jds41.speculative import rollback, verify_block
@@ -221,7 +222,7 @@ def _loop(plan: M.ModelPlan, draft, n_max: int, rows_fn, trace: bool, how: str, 
         st, dst, last, hist, n_hist = operands
         t0 = st["pos"]
         rows = rows_of(last[None], hist, n_hist)
-        res = M.step(plan, params, st, last, None if rows is None else rows[0], trace, feature_layers)
+        res = step_at_width(plan, params, st, last, None if rows is None else rows[0], trace, feature_layers)
         logits, st, extra = res[0], res[1], res[2:]
         if feature_layers:  # the reference pads one position to a block's rows too (DSparkDrafter.observe)
             dst = draft.inject(dparams, dst, _pad(extra[-1][None], W), t0, jnp.int32(1))

@@ -69,7 +69,7 @@ def test_verify_rows_equal_decode_at_the_same_width(synthetic_model, tmp_path, a
         want_logits, want_states, st = [], [], jax.tree.map(jnp.copy, state0)
         for i, t in enumerate(stream):
             rows = _rows(engine, [t], prompt + stream[:i])
-            lg, st = decode_rows(plan, engine.params, st, jnp.int32(t), None if rows is None else rows[0], W)
+            lg, st = decode_rows(plan, engine.params, st, jnp.int32(t), None if rows is None else rows[0], False, (), W)
             want_logits.append(np.asarray(lg))
             want_states.append(jax.tree.map(np.asarray, st))
         # verify blocks of W real rows, keeping a random prefix of each
@@ -97,3 +97,43 @@ def test_verify_rows_equal_decode_at_the_same_width(synthetic_model, tmp_path, a
     finally:
         if engine.tiers is not None:
             engine.tiers.close()
+
+
+@pytest.mark.slow
+def test_drafting_at_the_decode_width_equals_plain_decode_at_that_width(tmp_path):
+    """An engine that decodes at width k+1: plain greedy decode (host step loop and device loop) and DSpark drafting
+    (real drafter, forced all-right drafts: host path and device loop) give the same tokens; each verify block is
+    one batched pass."""
+    from jds41.checkpoints.presets import preset
+    from jds41.checkpoints.synth import write_synthetic
+    from jds41.decode_loop import greedy_generate
+    from jds41.speculative import DSparkDrafter, SpeculativeSession
+    from jds41.speculative_loop import ForcedDrafter
+
+    cfg = preset("deepseek41", "tiny", draft_stages=2)
+    path = tmp_path / "m.gguf"
+    write_synthetic(path, cfg, quant="q8", progress=False)
+    k = cfg.dspark.block_size
+    engine = Engine.open(str(path), max_ctx=CTX, decode_width=k + 1)
+    assert engine.plan.decode_width == k + 1 and engine.plan.ring_slack >= k
+    prompt, n_new = [5, 17, 99, 3, 42], 40
+    want = list(engine.session().generate(prompt, n_new))
+    s = engine.session()
+    assert greedy_generate(s, int(np.argmax(s.feed(prompt))), n_new) == want
+    drafters = {"dspark": lambda: DSparkDrafter.open(engine, "self"),
+                "all-right": lambda: ForcedDrafter(engine, prompt + want, True, k, cfg.dspark.target_layer_ids)}
+    for name, make in drafters.items():
+        for step_loop in (True, False):
+            spec = SpeculativeSession(engine, make(), step_loop=step_loop)
+            assert spec.verify_mode == "batched"
+            assert list(spec.generate(prompt, n_new)) == want, (name, step_loop)
+            if name == "all-right":
+                assert spec.stats.accepted == spec.stats.drafted > 0
+    # width 1 is the one-token step: the same model, equal up to float rounding (not required to be bitwise)
+    narrow = Engine.open(str(path), max_ctx=CTX)
+    wide_logits = engine.session().feed(prompt + want[:8], all_logits=True)
+    narrow_logits = narrow.session().feed(prompt + want[:8], all_logits=True)
+    np.testing.assert_allclose(wide_logits, narrow_logits, atol=1e-4 * np.abs(narrow_logits).max(), rtol=0)
+    from jds41.errors import Jds41Error
+    with pytest.raises(Jds41Error, match="decodes at width"):
+        SpeculativeSession(Engine.open(str(path), max_ctx=CTX, decode_width=k), DSparkDrafter.open(engine, "self"))
