@@ -19,6 +19,9 @@ Every drafting mode runs once per `--verify` choice (default `auto`; `--verify t
 both): the row's `verify` is the resolved one, and a layer-major row carries `speedup_vs_token_major` and
 `same_draft_stats_as_token_major` against the token-major row of its mode (same profile). Layer-major verify
 moves each host / SSD expert a block needs once instead of once per position (speculative.verify_block).
+`--decode-widths 1,5` repeats everything with the engine decoding at each row width (jds41/block_step.py): at width
+W > 1 plain decode runs the W-row batched pass and every verify block (block size W - 1) is one batched pass
+(`verify` "batched"), drafting being exact against plain decode AT THAT WIDTH; rows carry `decode_width`.
 Under a profile the draft tokens' hash-layer experts are prefetched before each verify (tiers.prefetch_tokens, in
 the Engram rows' host call) and their Engram rows are hashed and read ahead of the pass.
 
@@ -90,8 +93,8 @@ def _device_loop_tok_s(engine, prompts: list[list[int]], n: int) -> float:
     return round(sum(k for k, _ in done) / sum(t for _, t in done), 3)
 
 
-def bench_profile(args, profile: str | None) -> list[dict]:
-    engine = Engine.open(args.model, max_ctx=args.ctx, profile=profile)
+def bench_profile(args, profile: str | None, width: int = 1) -> list[dict]:
+    engine = Engine.open(args.model, max_ctx=args.ctx, profile=profile, decode_width=width)
     drafter = DSparkDrafter.open(engine, args.draft)
     prompts = (text_prompts(engine.tokenizer, args.texts, args.prompts, args.prompt_len) if args.texts
                else _prompts(engine.vocab_size, args.prompts, args.prompt_len, args.seed))
@@ -99,7 +102,8 @@ def bench_profile(args, profile: str | None) -> list[dict]:
     mode_stats: dict[tuple, list[dict]] = {}  # per (mode, verify), each prompt's draft statistics
     results = []
     # every drafting mode once per --verify choice, resolved for this profile (auto: layer-major when tiered)
-    runs = [(m, None if m == "plain" else resolve_verify(v, engine.params))
+    # (at a decode width > 1 every verify is the one batched pass the width implies)
+    runs = [(m, None if m == "plain" else "batched" if width > 1 else resolve_verify(v, engine.params))
             for m in args.modes for v in (args.verify if m != "plain" else [None])]
     for mode, verify in dict.fromkeys(runs):  # an auto that resolves like an explicit choice runs once
         def session(i, mode=mode, verify=verify):
@@ -107,10 +111,12 @@ def bench_profile(args, profile: str | None) -> list[dict]:
                 return engine.session()
             drafter.reset()
             if mode in ("dspark", "dspark-host"):
-                return SpeculativeSession(engine, drafter, step_loop=mode == "dspark-host", verify=verify)
+                return SpeculativeSession(engine, drafter, step_loop=mode == "dspark-host",
+                                          verify="auto" if verify == "batched" else verify)
             stream = prompts[i] + plain_out[i]
             return SpeculativeSession(engine, ForcedDrafter(engine, stream, mode == "oracle-right", drafter.block_size,
-                                                            drafter.feature_layers, inner=drafter), verify=verify)
+                                                            drafter.feature_layers, inner=drafter),
+                                      verify="auto" if verify == "batched" else verify)
 
         if mode != "plain" and not plain_out:
             raise SystemExit("modes must start with plain (the reference)")
@@ -129,8 +135,8 @@ def bench_profile(args, profile: str | None) -> list[dict]:
             tokens += len(out) - 1
             seconds += sec
         mode_stats[(mode, verify)] = stats
-        row = {"bench": "bench_draft", "profile": profile or "none", "mode": mode, "tokens": tokens,
-               "decode_tok_s": round(tokens / seconds, 3) if seconds > 0 else None}
+        row = {"bench": "bench_draft", "profile": profile or "none", "decode_width": width, "mode": mode,
+               "tokens": tokens, "decode_tok_s": round(tokens / seconds, 3) if seconds > 0 else None}
         if mode != "plain":
             row["verify"] = verify
             row.update(identical_to_plain=identical, **draft_summary(stats, tokens), block_size=drafter.block_size)
@@ -177,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--texts", default=None, help="prompts from this held-out text (JSON Lines: code documents) "
                     "instead of random ids: acceptance needs real text and a trained model")
+    ap.add_argument("--decode-widths", default="1", help="comma separated engine decode widths (1 = the one-token "
+                    "step; W > 1 = the W-row batched pass, for a drafter of block size W - 1)")
     args = ap.parse_args(argv)
+    args.widths = [int(w) for w in args.decode_widths.split(",") if w]
+    if not args.widths or min(args.widths) < 1:
+        ap.error("--decode-widths: positive integers")
     args.modes = [m for m in args.modes.split(",") if m]
     if any(m not in MODES for m in args.modes) or args.modes[0] != "plain":
         ap.error(f"--modes: plain first, then any of {', '.join(MODES[1:])}")
@@ -191,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [meta]
     print(json.dumps(meta), flush=True)
     for p in args.profiles.split(","):
-        rows += bench_profile(args, None if p in ("", "none") else p)
+        for width in args.widths:
+            rows += bench_profile(args, None if p in ("", "none") else p, width)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "bench_draft.jsonl"), "w") as f:

@@ -60,6 +60,14 @@ def test_bench_draft_runs_on_cpu(tmp_path, monkeypatch, capsys):
     assert rows[1]["identical_to_plain"] and rows[2]["identical_to_plain"]
     assert rows[2]["speedup_vs_token_major"] > 0 and rows[2]["same_draft_stats_as_token_major"] is True
 
+    # at decode width k+1 every verify block is one batched pass, exact against plain decode at that width
+    assert bench.main([str(model), "--profiles", "none", "--tokens", "12", "--prompts", "2", "--prompt-len", "6",
+                       "--ctx", "256", "--modes", "plain,oracle-right", "--decode-widths", str(k + 1)]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "bench_draft.jsonl").read_text().splitlines()][1:]
+    assert [(r["mode"], r.get("verify"), r["decode_width"]) for r in rows] == [
+        ("plain", None, k + 1), ("oracle-right", "batched", k + 1)]
+    assert rows[1]["identical_to_plain"] is True and rows[1]["acceptance_rate"] == 1.0
+
 
 def test_text_prompts_take_long_enough_code_documents(tmp_path):
     sys.path.insert(0, str(ROOT / "experiments"))
