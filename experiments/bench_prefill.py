@@ -4,11 +4,12 @@ turn with and without the prefix cache (item 4).
     python experiments/bench_prefill.py MODEL.gguf [--lengths 4096,20480,55296] [--profiles all-hbm,lucebox,h200]
         [--chunk 4096] [--turn 20000,200] [--out FILE.jsonl]
 
-For each profile (all-hbm = every weight resident, no tier machinery) and prompt length: one warm-up feed that
-compiles every piece size the length uses (jds41.prefill.plan_pieces), then one timed feed of a fresh random
-prompt. Each run prints one JSON line (and appends it to --out, default $OUT/bench_prefill.jsonl when $OUT is set):
+For each profile (all-hbm = every weight resident, no tier machinery), engine decode width (--decode-widths; the
+prompt is read at that width, jds41/prompt_pieces.py) and prompt length: one warm-up feed that compiles every
+piece the length uses, then one timed feed of a fresh random prompt. Each run prints one JSON line (and appends
+it to --out, default $OUT/bench_prefill.jsonl when $OUT is set):
 - tok_s: prompt tokens / wall seconds of Session.feed (compilation excluded);
-- bytes per prompt token moved into the GPU by the layer-major groups, per link: host (pinned host -> device) and
+- bytes per prompt token moved into the GPU by the layer-major groups (at width W: by each W-row block), per link: host (pinned host -> device) and
   ssd (the SSD experts each group asked for; slot-cache misses are `ssd_read` from the store's own counter),
   next to what the token-major scan would move for the same routing (from the routing trace, prefill.moved_bytes);
 - hbm bytes per token: the per-token arithmetic reads every dense weight and the token's K experts per layer (the
@@ -39,6 +40,7 @@ from bench_decode import _commit, _machine  # noqa: E402  (sibling script, run a
 
 from jds41 import prefill as PF  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
+from jds41.prompt_pieces import prompt_pieces  # noqa: E402
 from jds41.tiers.stores import ExpertLayout  # noqa: E402
 
 BANDWIDTH = {"hbm": 4.4e12, "host": 48e9, "ssd": 1.9e9}  # bytes/s, DESIGN.md §7
@@ -48,15 +50,16 @@ LLAMACPP_8L = {"host_experts_tok_s": 158, "resident_tok_s": 5641}
 
 def hbm_bytes_per_token(engine: Engine) -> int:
     """Bytes one token's arithmetic reads: every non-expert weight (the embedding: one row; Engram tables live on
-    the host), plus K experts per routed layer."""
+    the host), plus K experts per routed layer. At decode width W a block of W rows reads the dense weights once,
+    so they count 1/W per token; experts still count K per token (a block's union holds at most W*K)."""
     g, cfg = engine.gguf, engine.cfg
     dense = 0
     for name, t in g.tensors.items():
         if "_exps." in name or name.endswith("engram_embd.weight"):  # experts counted below; tables on the host
             continue
-        dense += t.row_bytes if name.startswith("token_embd") else t.n_bytes
+        dense += t.row_bytes if name.startswith("token_embd") else t.n_bytes / engine.plan.decode_width
     layout = ExpertLayout.from_model(g)
-    return dense + sum(cfg.n_experts_used * layout.expert_nbytes(layer) for layer in layout.layers)
+    return round(dense) + sum(cfg.n_experts_used * layout.expert_nbytes(layer) for layer in layout.layers)
 
 
 def roofline(per_token: dict) -> dict:
@@ -82,16 +85,27 @@ def _traced(session) -> list:
 
 
 def warm_up(engine: Engine, n: int, rng) -> float:
-    """Compile every program a feed of n tokens runs (each distinct piece once, then the remainder): seconds."""
-    pieces, rest = PF.plan_pieces(n, engine.prefill_chunk)
+    """Compile every program a feed of n tokens runs (each distinct piece once): seconds."""
+    distinct = set(prompt_pieces(n, engine.plan.decode_width, engine.prefill_chunk))
     t0 = time.perf_counter()
-    engine.session().feed(rng.integers(8, engine.vocab_size, sum(set(pieces)) + rest).tolist())
+    engine.session().feed(rng.integers(8, engine.vocab_size, sum(m for _, m in distinct)).tolist())
     return time.perf_counter() - t0
+
+
+def _moved(tiers, how: str, width: int, experts_TLK: np.ndarray) -> dict:
+    """Bytes a piece moved per link, and what the token-major scan would move for the same routing: a layer-major
+    group moves its union once, a piece of W-row blocks each block's union, a scan or step every token's experts."""
+    if how == "rows":
+        blocks = [PF.moved_bytes(tiers, b) for b in experts_TLK.reshape(-1, width, *experts_TLK.shape[1:])]
+        return {k: sum(b[k] for b in blocks) for k in blocks[0]}
+    m = PF.moved_bytes(tiers, experts_TLK)
+    return m if how == "layer-major" else {**m, "host": m["host_token_major"], "ssd": m["ssd_token_major"]}
 
 
 def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
-    pieces, rest = PF.plan_pieces(n, chunk)
+    width = engine.plan.decode_width
+    cut = prompt_pieces(n, width, chunk)
     compile_s = warm_up(engine, n, rng)
     tiers = engine.tiers
     ssd = tiers.stores.ssd if tiers is not None else None
@@ -104,17 +118,17 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
     seconds = time.perf_counter() - t0
     moved = {"host": 0, "ssd": 0, "host_token_major": 0, "ssd_token_major": 0}
     if tiers is not None:
-        for i, experts in enumerate(traces):
-            m = PF.moved_bytes(tiers, experts)
-            layer_major = i < len(pieces)  # calls run the pieces first, then the token-major remainder
-            for k in ("host", "ssd"):
-                moved[k] += m[k] if layer_major else m[k + "_token_major"]
-                moved[k + "_token_major"] += m[k + "_token_major"]
+        for (how, _), experts in zip(cut, traces, strict=True):  # one trace per piece, in order
+            m = _moved(tiers, how, width, experts)
+            for k in moved:
+                moved[k] += m[k]
     per_token = {"hbm": hbm_bytes_per_token(engine), "host": moved["host"] / n, "ssd": moved["ssd"] / n}
     roof = roofline(per_token)
     tok_s = n / seconds
-    return {"kind": "prefill", "profile": profile, "prompt_tokens": n, "chunk": chunk, "pieces": pieces,
-            "token_major_rest": rest, "seconds": round(seconds, 4), "tok_s": round(tok_s, 2),
+    kinds = {how: sum(m for h, m in cut if h == how) for how, _ in cut}  # tokens per kind of piece
+    return {"kind": "prefill", "profile": profile, "prompt_tokens": n, "chunk": chunk, "decode_width": width,
+            "pieces": [m for how, m in cut if how in ("layer-major", "rows")], "tokens_by_piece": kinds,
+            "seconds": round(seconds, 4), "tok_s": round(tok_s, 2),
             "compile_s": round(compile_s, 2),
             "bytes_per_token": {k: round(v) for k, v in per_token.items()},
             "token_major_bytes_per_token": {k: round(moved[k + "_token_major"] / n) for k in ("host", "ssd")},
@@ -155,7 +169,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("model")
     ap.add_argument("--lengths", default="4096,20480,55296", help="prompt lengths (comma separated)")
     ap.add_argument("--profiles", default="all-hbm,lucebox,h200")
-    ap.add_argument("--chunk", type=int, default=4096, help="layer-major group size")
+    ap.add_argument("--chunk", type=int, default=4096, help="layer-major group size (at width W: whole W-row blocks)")
+    ap.add_argument("--decode-widths", default="1", help="comma separated engine decode widths: the prompt is read "
+                    "at the width the engine decodes at (jds41/prompt_pieces.py)")
     ap.add_argument("--turn", default="20000,200", help="PREFIX,NEW of the agent-turn TTFT ('' to skip)")
     ap.add_argument("--ctx", type=int, default=None, help="context (default: the longest prompt + 256)")
     ap.add_argument("--cache-bytes", type=int, default=32 << 30, help="prefix cache budget for the turn")
@@ -172,9 +188,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "device": str(jax.devices()[0]),
             "host": platform.node(), "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])])}
     results = []
-    for profile in args.profiles.split(","):
+    for profile, width in [(p, int(w)) for p in args.profiles.split(",") for w in args.decode_widths.split(",")]:
         engine = Engine.open(args.model, max_ctx=ctx, profile=None if profile == "all-hbm" else profile,
-                             prefill_chunk=args.chunk, prefix_cache_bytes=args.cache_bytes)
+                             prefill_chunk=args.chunk, prefix_cache_bytes=args.cache_bytes, decode_width=width)
         runs = [prefill_run(engine, profile, n, args.chunk, args.seed + i) for i, n in enumerate(lengths)]
         if turn:
             runs.append(turn_run(engine, profile, turn[0], turn[1], args.seed + 100))

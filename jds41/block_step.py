@@ -126,14 +126,22 @@ def _attention_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, new_st: list, h
     return jax.vmap(lambda o_HK, p: attention.output(cfg, w, o_HK, p, freqs))(o, pos_W), small
 
 
-def _ffn_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_W, tokens_W):
+def _live_or_first(live_W, a_W):
+    """a_W with every padding row replaced by row 0's (row 0 is always live): padding rows then ask for no expert
+    that a live row does not, so they add no tier traffic. A row's own bits never depend on another row's."""
+    if live_W is None:
+        return a_W
+    return jnp.where(live_W.reshape((-1,) + (1,) * (a_W.ndim - 1)), a_W, a_W[:1])
+
+
+def _ffn_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_W, tokens_W, live_W=None):
     """(FFN output [W, D], routed expert ids [W, K], lean swaps [W]); tiered experts come as the union of the
-    rows' experts, each moved from its tier once (prefill.union_stack)."""
+    live rows' experts, each moved from its tier once (prefill.union_stack); padding rows compute with row 0's."""
     cfg = plan.cfg
     limit = cfg.swiglu_limit[lp.index]
     r = jax.vmap(lambda h, t: M.route_layer(plan, lp, w, h, t))(h_W, tokens_W)
     if "routed" in w:
-        union, valid, pos_WK = PF.expert_union(r.idx_K, w["routed"].tier_E.shape[0])
+        union, valid, pos_WK = PF.expert_union(_live_or_first(live_W, r.idx_K), w["routed"].tier_E.shape[0])
         g = PF.union_stack(w["routed"], union, valid)
         stacks, idx_WK = (g["gate"], g["up"], g["down"]), pos_WK
     else:
@@ -146,9 +154,11 @@ def _ffn_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_W, tokens_W):
 
 
 def step_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_W: jax.Array, engram_rows_W=None,
-              trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
+              trace_routing: bool = False, feature_layers: tuple[int, ...] = (), live_W=None):
     """W positions from state["pos"] on: (logits [W, V], state after all W, small leaves per layer and row[,
-    routing {"experts" [W, L, K], "swaps" [W, L], "predicted_next" [W, L, K]}][, features [W, n, D]])."""
+    routing {"experts" [W, L, K], "swaps" [W, L], "predicted_next" [W, L, K]}][, features [W, n, D]]).
+    `live_W` (bool [W], row 0 True; None = all rows live) marks the rows whose outputs the caller keeps: the
+    others are padding and move no expert of their own (their routing entries are then meaningless)."""
     cfg = plan.cfg
     W = tokens_W.shape[0]
     pos_W = state["pos"] + jnp.arange(W, dtype=jnp.int32)
@@ -176,9 +186,9 @@ def step_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_W: jax.Array,
                 guess = jax.vmap(lambda h_D, lp=lp: PF._guess_next(plan, lp, params, h_D))(h)
                 nxt = lp.index + 1
                 if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
-                    prefetch_experts(params["blocks"][nxt]["routed"], guess.reshape(-1))
+                    prefetch_experts(params["blocks"][nxt]["routed"], _live_or_first(live_W, guess).reshape(-1))
                 predicted.append(guess)
-                out, idx, n_swaps = _ffn_rows(plan, lp, w, h, tokens_W)
+                out, idx, n_swaps = _ffn_rows(plan, lp, w, h, tokens_W, live_W)
                 routing.append(idx)
                 swaps.append(n_swaps)
             x = jax.vmap(hc_expand)(x, out, post, comb)
@@ -217,7 +227,8 @@ def step_at_width(plan: M.ModelPlan, params: dict, state: dict, token: jax.Array
     if engram_rows is not None:
         rows = jnp.zeros((W, *engram_rows.shape), engram_rows.dtype).at[0].set(engram_rows)
     undo = _undo(plan, state, state["pos"] + jnp.arange(W, dtype=jnp.int32))
-    logits, st, small, *extra = step_rows(plan, params, state, tokens, rows, trace_routing, feature_layers)
+    live = jnp.arange(W) == 0
+    logits, st, small, *extra = step_rows(plan, params, state, tokens, rows, trace_routing, feature_layers, live)
     st = rollback(plan, st, undo, small, jnp.int32(1))
     return (logits[0], st, *(jax.tree.map(lambda a: a[0], e) for e in extra))
 
@@ -232,3 +243,23 @@ def decode_rows(plan: M.ModelPlan, params: dict, state: dict, token: jax.Array, 
 def decode_step_for(plan: M.ModelPlan):
     """The jitted one-position decode of this plan: `model.decode_step` at width 1, else `decode_rows`."""
     return M.decode_step if plan.decode_width == 1 else decode_rows
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
+def prefill_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: jax.Array, engram_rows_NW=None,
+                 trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
+    """A prompt piece at the decode width: N consecutive blocks of W real rows [N, W], one `step_rows` each
+    (a scan over the blocks): (logits [N*W, V], state[, routing][, features], each with a leading N*W axis).
+
+    Every row is live and kept, so no rollback: this is a speculative verify that accepts every row, and by row
+    uniformity each position's logits and state equal those of feeding the prompt one token at a time through
+    `decode_rows` at width W (tests/test_block_step.py), at 1/W of the passes. With tiered experts each block moves
+    the union of its W rows' experts once."""
+    def body(st, xs):
+        toks, rows = xs
+        logits, st, _small, *extra = step_rows(plan, params, st, toks, rows, trace_routing, feature_layers)
+        return st, (logits, *extra)
+
+    state, ys = jax.lax.scan(body, state, (tokens_NW, engram_rows_NW))
+    flat = jax.tree.map(lambda a: a.reshape((-1, *a.shape[2:])), ys)
+    return (flat[0], state, *flat[1:])

@@ -2,9 +2,10 @@
 
 `Engine.open(path)` validates the file, builds the config, tokenizer, parameter pytree and layer plan once;
 `Engine.session()` gives a `Session` that owns its decode state and token history, so callers never see tensors.
-Prompts are read layer-major (jds41/prefill.py) in chunks of `prefill_chunk` tokens and power-of-two pieces of
-the rest, so an expert outside HBM moves once per piece; the remainder below the smallest piece goes through the
-token-major `prefill` scan and one token at a time through `decode_step`. All three give bit-identical results.
+Prompts are cut into pieces by jds41/prompt_pieces.py: at decode width 1, layer-major groups of `prefill_chunk`
+tokens (jds41/prefill.py: an expert outside HBM moves once per group), token-major scans and single steps, all
+bit-identical to decoding one token at a time; at decode width W, whole W-row blocks (one batched pass each) and
+single width-W steps, bit-identical to decoding one token at a time at width W.
 With a prefix cache (jds41/prefix_cache.py) a fresh session resumes from the longest cached prefix of its prompt.
 
 Engram rows are known from token ids before a step runs, so the session hashes them on the host and reads them
@@ -22,17 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jds41 import model as M
-from jds41.block_step import decode_step_for
 from jds41.checkpoints import open_model
 from jds41.errors import Jds41Error
 from jds41.layers.engram_rows import EngramHasher, MmapRowSource, read_step_rows
-from jds41.prefill import plan_pieces, prefill_layer_major
+from jds41.prompt_pieces import SCAN_PIECE as PREFILL_CHUNK  # noqa: F401  (re-exported)
+from jds41.prompt_pieces import chunk_tokens, prompt_pieces, run_piece
 from jds41.tiers.experts import take_failure
 from jds41.tiers.loader import load_tensors
 from jds41.tokenizer import Tokenizer
 from jds41.weights import load_params, matrix_names
 
-PREFILL_CHUNK = 32  # tokens per token-major scan call: one compiled program serves every prompt length
 DEFAULT_PREFILL_CHUNK = 4096  # tokens per layer-major prefill group (0 = token-major only, the reference path)
 # Engine.open(numerics=...) -> QTensor.act_round. "llamacpp" rounds activations before quantized products as
 # llama.cpp's CPU backend does (Q8_0 blocks for Q8_0/MXFP4 weights, F16 for F16), to compare against it tightly.
@@ -222,7 +222,8 @@ class Session:
                                                  self.expert_counts))
 
     def _at_boundary(self, logits) -> None:
-        if self.engine.prefill_chunk and len(self.tokens) % self.engine.prefill_chunk == 0:
+        chunk = chunk_tokens(self.engine.prefill_chunk, self.engine.plan.decode_width)
+        if chunk and len(self.tokens) % chunk == 0:
             self.save_prefix(logits)
 
     # ---- model calls ---------------------------------------------------------------------------------------
@@ -247,36 +248,19 @@ class Session:
         eng = self.engine
         out = []
         i = 0
-        if eng.tiers is not None:
+        trace = eng.tiers is not None
+        if trace:
             eng.tiers.prefetch_tokens(tokens)  # token ids are known now: start the hash layers' SSD reads
-        for n in plan_pieces(len(tokens), eng.prefill_chunk)[0]:  # layer-major groups, then the token-major rest
+        for how, n in prompt_pieces(len(tokens), eng.plan.decode_width, eng.prefill_chunk):
             chunk = tokens[i:i + n]
-            logits, self.state, *routing = prefill_layer_major(eng.plan, eng.params, self.state,
-                                                               jnp.asarray(chunk, jnp.int32), self._engram_rows(chunk),
-                                                               eng.tiers is not None)
+            logits, self.state, *routing = run_piece(eng.plan, eng.params, self.state, how, chunk,
+                                                     self._engram_rows(chunk), trace)
             self._record(routing)
             out.append(logits if all_logits else logits[-1:])
             self.tokens += chunk
             i += n
-            self._at_boundary(logits[-1])
-        while len(tokens) - i >= PREFILL_CHUNK:
-            chunk = tokens[i:i + PREFILL_CHUNK]
-            rows = self._engram_rows(chunk)
-            logits, self.state, *routing = M.prefill(eng.plan, eng.params, self.state,
-                                                     jnp.asarray(chunk, jnp.int32), rows, eng.tiers is not None)
-            self._record(routing)
-            out.append(logits if all_logits else logits[-1:])
-            self.tokens += chunk
-            i += PREFILL_CHUNK
-            self._at_boundary(logits[-1])
-        for t in tokens[i:]:
-            rows = self._engram_rows([t])
-            logits, self.state, *routing = decode_step_for(eng.plan)(
-                eng.plan, eng.params, self.state, jnp.asarray(t, jnp.int32), None if rows is None else rows[0],
-                eng.tiers is not None)
-            self._record([jax.tree.map(lambda a: a[None], r) for r in routing])
-            out.append(logits[None])
-            self.tokens.append(t)
+            if how in ("layer-major", "rows"):
+                self._at_boundary(logits[-1])
         result = np.asarray(jnp.concatenate(out), np.float32)
         return result if all_logits else result[-1]
 

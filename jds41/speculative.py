@@ -46,9 +46,10 @@ import numpy as np
 
 from jds41 import model as M
 from jds41 import prefill as PF
-from jds41.block_step import SMALL_LEAVES, decode_step_for, step_rows
+from jds41.block_step import SMALL_LEAVES, step_rows
 from jds41.engine import Engine, RequestError, SamplingParams, Session
 from jds41.errors import Jds41Error
+from jds41.prompt_pieces import prompt_pieces, run_piece
 
 
 # ---- target side: verify and rollback ---------------------------------------------------------------------------
@@ -309,8 +310,8 @@ class SpeculativeSession(Session):
             self.drafter.observe(outs[-1], pos0, count)
 
     def _feed(self, tokens: Sequence[int], all_logits: bool) -> np.ndarray:
-        from jds41.engine import PREFILL_CHUNK
-
+        """The engine session's prompt pieces (jds41/prompt_pieces.py), also handing the drafter each position's
+        target features."""
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise RequestError("no tokens to feed")
@@ -319,25 +320,15 @@ class SpeculativeSession(Session):
         out, i = [], 0
         if trace:
             eng.tiers.prefetch_tokens(tokens)
-        while len(tokens) - i >= PREFILL_CHUNK:
-            chunk = tokens[i:i + PREFILL_CHUNK]
-            logits, self.state, *extra = M.prefill(self.plan, eng.params, self.state, jnp.asarray(chunk, jnp.int32),
+        for how, n in prompt_pieces(len(tokens), self.plan.decode_width, eng.prefill_chunk):
+            chunk = tokens[i:i + n]
+            logits, self.state, *extra = run_piece(self.plan, eng.params, self.state, how, chunk,
                                                    self._engram_rows(chunk), trace, self.feature_layers)
             self._record(extra[:1] if trace else [])
-            self._observe(extra, len(self.tokens), len(chunk))
+            self._observe(extra, len(self.tokens), n)
             out.append(logits if all_logits else logits[-1:])
             self.tokens += chunk
-            i += PREFILL_CHUNK
-        for t in tokens[i:]:
-            rows = self._engram_rows([t])
-            logits, self.state, *extra = decode_step_for(self.plan)(
-                self.plan, eng.params, self.state, jnp.asarray(t, jnp.int32), None if rows is None else rows[0], trace,
-                self.feature_layers)
-            self._record([jax.tree.map(lambda a: a[None], extra[0])] if trace else [])
-            if self.feature_layers:
-                self.drafter.observe(extra[-1][None], len(self.tokens), 1)
-            out.append(logits[None])
-            self.tokens.append(t)
+            i += n
         result = np.asarray(jnp.concatenate(out), np.float32)
         return result if all_logits else result[-1]
 

@@ -31,7 +31,8 @@ def test_bench_all_hbm_lines_and_agent_turn(tmp_path, capsys):
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert printed == runs == [json.loads(line) for line in out.read_text().splitlines()]
     prefill, turn = runs
-    assert prefill["kind"] == "prefill" and prefill["pieces"] == [16, 16] and prefill["token_major_rest"] == 8
+    assert prefill["kind"] == "prefill" and prefill["pieces"] == [16, 16]
+    assert prefill["tokens_by_piece"] == {"layer-major": 32, "step": 8} and prefill["decode_width"] == 1
     assert prefill["bytes_per_token"]["host"] == prefill["bytes_per_token"]["ssd"] == 0  # all resident
     assert prefill["bytes_per_token"]["hbm"] > 0 and prefill["tok_s"] > 0
     _check_roofline(prefill)
@@ -41,9 +42,15 @@ def test_bench_all_hbm_lines_and_agent_turn(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_tiered_profile_moves_fewer_bytes_layer_major():
-    (run,) = B.main([MODEL, "--lengths", "48", "--profiles", "lucebox", "--chunk", "16", "--turn", ""])
+    run, wide = B.main([MODEL, "--lengths", "48", "--profiles", "lucebox", "--chunk", "16", "--turn", "",
+                        "--decode-widths", "1,4"])
     per, token_major = run["bytes_per_token"], run["token_major_bytes_per_token"]
     assert 0 < per["host"] < token_major["host"]  # once per 16-token group instead of once per token
     assert 0 < per["ssd"] <= token_major["ssd"]
     assert run["tier_stats"]["tokens"] >= 48
     _check_roofline(run)
+    # at width 4 the prompt is read in 4-row blocks, each moving its own union: between the two
+    assert wide["decode_width"] == 4 and wide["tokens_by_piece"] == {"rows": 48}
+    assert 0 < wide["bytes_per_token"]["host"] <= wide["token_major_bytes_per_token"]["host"]
+    assert wide["bytes_per_token"]["hbm"] < run["bytes_per_token"]["hbm"]  # dense weights read once per block
+    _check_roofline(wide)

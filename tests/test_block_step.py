@@ -103,7 +103,7 @@ def test_verify_rows_equal_decode_at_the_same_width(synthetic_model, tmp_path, a
 def test_drafting_at_the_decode_width_equals_plain_decode_at_that_width(tmp_path):
     """An engine that decodes at width k+1: plain greedy decode (host step loop and device loop) and DSpark drafting
     (real drafter, forced all-right drafts: host path and device loop) give the same tokens; each verify block is
-    one batched pass."""
+    one batched pass, and both sessions read the prompt in batched blocks."""
     from jds41.checkpoints.presets import preset
     from jds41.checkpoints.synth import write_synthetic
     from jds41.decode_loop import greedy_generate
@@ -114,9 +114,10 @@ def test_drafting_at_the_decode_width_equals_plain_decode_at_that_width(tmp_path
     path = tmp_path / "m.gguf"
     write_synthetic(path, cfg, quant="q8", progress=False)
     k = cfg.dspark.block_size
-    engine = Engine.open(str(path), max_ctx=CTX, decode_width=k + 1)
+    # prompt groups of two (k+1)-row blocks: both sessions read the first 20 prompt tokens as four batched blocks
+    engine = Engine.open(str(path), max_ctx=CTX, decode_width=k + 1, prefill_chunk=2 * (k + 1))
     assert engine.plan.decode_width == k + 1 and engine.plan.ring_slack >= k
-    prompt, n_new = [5, 17, 99, 3, 42], 40
+    prompt, n_new = [5, 17, 99, 3, 42] * 4 + [7, 8, 9], 40
     want = list(engine.session().generate(prompt, n_new))
     s = engine.session()
     assert greedy_generate(s, int(np.argmax(s.feed(prompt))), n_new) == want
@@ -137,3 +138,38 @@ def test_drafting_at_the_decode_width_equals_plain_decode_at_that_width(tmp_path
     from jds41.errors import Jds41Error
     with pytest.raises(Jds41Error, match="decodes at width"):
         SpeculativeSession(Engine.open(str(path), max_ctx=CTX, decode_width=k), DSparkDrafter.open(engine, "self"))
+
+
+@pytest.mark.parametrize("tiered", [False, pytest.param(True, marks=SLOW)])
+def test_prompt_pieces_at_the_decode_width_equal_decode_at_that_width(synthetic_model, tmp_path, monkeypatch,
+                                                                       tiered):
+    """A prompt cut into whole W-row blocks (block_step.prefill_rows, a scan of batched passes; pieces of 6, 4 and 1
+    blocks) and single width-W steps gives, position by position, the logits, routing and DSpark features of
+    feeding it one token at a time through decode_rows at width W, and the same state after the last one."""
+    from jds41 import prompt_pieces as PP
+
+    monkeypatch.setattr(PP, "ROWS_MIN_BLOCKS", 1)
+    engine, _ = _open(synthetic_model, tmp_path, "deepseek41", tiered)
+    plan = dataclasses.replace(engine.plan, decode_width=W, ring_slack=W - 1)
+    trace, features = engine.tiers is not None, (0, plan.cfg.n_layers - 1)
+    try:
+        prompt = np.random.default_rng(3).integers(8, engine.vocab_size, 6 * W + 4 * W + W + 3).tolist()
+        pieces = PP.prompt_pieces(len(prompt), W, 6 * W)
+        assert [h for h, _ in pieces] == ["rows"] * 3 + ["step"] * 3 and [n for _, n in pieces][:3] == [24, 16, 4]
+
+        def run(cut):
+            st, outs, i = M.init_state(plan), [], 0
+            for how, n in cut:
+                res = PP.run_piece(plan, engine.params, st, how, prompt[i:i + n],
+                                   _rows(engine, prompt[i:i + n], prompt[:i]), trace, features)
+                st, i = res[1], i + n
+                outs.append([res[0], *res[2:]])
+            return jax.tree.map(lambda *a: np.concatenate(a), *outs), st
+
+        got, got_state = run(pieces)
+        want, want_state = run([("step", 1)] * len(prompt))
+        _same(got, want, "per-position outputs")
+        _same(got_state, want_state, "state after the prompt")
+    finally:
+        if engine.tiers is not None:
+            engine.tiers.close()

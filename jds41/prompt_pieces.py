@@ -1,0 +1,60 @@
+"""How a prompt is cut into pieces and each piece run through the model, the same way for every session.
+
+At decode width 1 (the one-token step): layer-major groups of `chunk` tokens and power-of-two pieces
+(jds41/prefill.py), then token-major scans of SCAN_PIECE tokens (model.prefill), then single steps; all three are
+bit-identical to decode one token at a time. At width W > 1: pieces of whole W-row blocks (block_step.prefill_rows,
+each block one row-batched pass) and the last n % W tokens one position at a time through the width-W decode;
+bit-identical to decoding the prompt one token at a time at width W (row uniformity: tests/test_block_step.py).
+`chunk` 0 is the reference path: every piece is token-major (width 1) or a single width-W step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jds41 import model as M
+from jds41 import prefill as PF
+from jds41.block_step import decode_step_for, prefill_rows
+
+SCAN_PIECE = 32  # tokens per token-major scan call: one compiled program serves every prompt length
+ROWS_MIN_BLOCKS = 8  # the smallest prefill_rows piece, in blocks; shorter remainders run one position at a time
+
+
+def chunk_tokens(chunk: int, width: int) -> int:
+    """Tokens in one full prefill group: `chunk` rounded down to whole W-row blocks (0: no groups)."""
+    return max(chunk // width, 1) * width if chunk > 0 else 0
+
+
+def prompt_pieces(n_tokens: int, width: int, chunk: int) -> list[tuple[str, int]]:
+    """[(how, tokens)] in order, how in "layer-major", "scan", "rows", "step" (one token)."""
+    if width == 1:
+        groups, rest = PF.plan_pieces(n_tokens, chunk)
+        pieces = [("layer-major", n) for n in groups] + [("scan", SCAN_PIECE)] * (rest // SCAN_PIECE)
+        rest %= SCAN_PIECE
+    else:
+        blocks = PF.plan_pieces(n_tokens // width, chunk_tokens(chunk, width) // width, ROWS_MIN_BLOCKS)[0]
+        pieces = [("rows", b * width) for b in blocks]
+        rest = n_tokens - sum(n for _, n in pieces)
+    return pieces + [("step", 1)] * rest
+
+
+def _blocks(a, width: int):
+    return None if a is None else a.reshape((-1, width, *a.shape[1:]))
+
+
+def run_piece(plan: M.ModelPlan, params: dict, state: dict, how: str, tokens: list[int], engram_rows=None,
+              trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
+    """One piece: (logits [n, V], state[, routing][, features]), per-token outputs with a leading n axis."""
+    toks = jnp.asarray(tokens, jnp.int32)
+    if how == "step":
+        logits, state, *extra = decode_step_for(plan)(plan, params, state, toks[0],
+                                                      None if engram_rows is None else engram_rows[0],
+                                                      trace_routing, feature_layers)
+        return (logits[None], state, *(jax.tree.map(lambda a: a[None], e) for e in extra))
+    if how == "rows":
+        W = plan.decode_width
+        return prefill_rows(plan, params, state, _blocks(toks, W), _blocks(engram_rows, W), trace_routing,
+                            feature_layers)
+    run = {"layer-major": PF.prefill_layer_major, "scan": M.prefill}[how]
+    return run(plan, params, state, toks, engram_rows, trace_routing, feature_layers)
