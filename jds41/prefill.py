@@ -107,7 +107,7 @@ def _ssd_union_fetch(tl: TieredLayer, shapes: tuple):
 def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict[str, QTensor]:
     """Raw rows of the union's experts, [U, out, in] per stack, each from the tier that owns it: one gather from
     the tier-0 stack, one move from the pinned-host stack (tiers/experts.host_rows: one device_put per expert, of
-    the whole stack when the union could cover it, else of each union entry), one host call for the SSD experts
+    the whole stack when the union could cover it, else of each union entry the host owns), one host call for the SSD experts
     (made only when the union has one). Every move depends on the layer's routing, so layers move in turn."""
     U = union_U.shape[0]
     tier_U = jnp.where(valid_U, tl.tier_E[union_U], -1)
@@ -130,8 +130,8 @@ def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict
                 # transfer at once (they depend on no data), holding all layers' host stacks on the device.
                 every, _ = island((jnp.arange(n_host, dtype=jnp.int32), union_U))
                 host = jnp.take(host_rows(tl.host[n], every), host_local, axis=0)
-            else:
-                host = host_rows(tl.host[n], host_local)
+            else:  # only the entries the host owns: a verify or decode-width union is mostly padding and HBM rows
+                host = host_rows(tl.host[n], host_local, tier_U == 1)
             rows = jnp.where((tier_U == 1)[:, None, None], host, rows)
         if ssd is not None:
             rows = jnp.where(on_ssd[:, None, None], ssd[i], rows)
