@@ -9,7 +9,8 @@ prompt is read at that width, jds41/prompt_pieces.py) and prompt length: one war
 piece the length uses, then one timed feed of a fresh random prompt. Each run prints one JSON line (and appends
 it to --out, default $OUT/bench_prefill.jsonl when $OUT is set):
 - tok_s: prompt tokens / wall seconds of Session.feed (compilation excluded);
-- bytes per prompt token moved into the GPU by the layer-major groups (at width W: by each W-row block), per link: host (pinned host -> device) and
+- bytes per prompt token moved into the GPU by the layer-major groups (at width W with tiered experts: layer-major
+  groups of W-row blocks), per link: host (pinned host -> device) and
   ssd (the SSD experts each group asked for; slot-cache misses are `ssd_read` from the store's own counter),
   next to what the token-major scan would move for the same routing (from the routing trace, prefill.moved_bytes);
 - hbm bytes per token: the per-token arithmetic reads every dense weight and the token's K experts per layer (the
@@ -86,7 +87,7 @@ def _traced(session) -> list:
 
 def warm_up(engine: Engine, n: int, rng) -> float:
     """Compile every program a feed of n tokens runs (each distinct piece once): seconds."""
-    distinct = set(prompt_pieces(n, engine.plan.decode_width, engine.prefill_chunk))
+    distinct = set(prompt_pieces(n, engine.plan.decode_width, engine.prefill_chunk, engine.tiers is not None))
     t0 = time.perf_counter()
     engine.session().feed(rng.integers(8, engine.vocab_size, sum(m for _, m in distinct)).tolist())
     return time.perf_counter() - t0
@@ -94,18 +95,19 @@ def warm_up(engine: Engine, n: int, rng) -> float:
 
 def _moved(tiers, how: str, width: int, experts_TLK: np.ndarray) -> dict:
     """Bytes a piece moved per link, and what the token-major scan would move for the same routing: a layer-major
-    group moves its union once, a piece of W-row blocks each block's union, a scan or step every token's experts."""
+    group (at any width) moves its union once, a piece of W-row blocks read block after block each block's union,
+    a scan or step every token's experts."""
     if how == "rows":
         blocks = [PF.moved_bytes(tiers, b) for b in experts_TLK.reshape(-1, width, *experts_TLK.shape[1:])]
         return {k: sum(b[k] for b in blocks) for k in blocks[0]}
     m = PF.moved_bytes(tiers, experts_TLK)
-    return m if how == "layer-major" else {**m, "host": m["host_token_major"], "ssd": m["ssd_token_major"]}
+    return m if how.startswith("layer-major") else {**m, "host": m["host_token_major"], "ssd": m["ssd_token_major"]}
 
 
 def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     width = engine.plan.decode_width
-    cut = prompt_pieces(n, width, chunk)
+    cut = prompt_pieces(n, width, chunk, engine.tiers is not None)
     compile_s = warm_up(engine, n, rng)
     tiers = engine.tiers
     ssd = tiers.stores.ssd if tiers is not None else None
@@ -127,7 +129,7 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
     tok_s = n / seconds
     kinds = {how: sum(m for h, m in cut if h == how) for how, _ in cut}  # tokens per kind of piece
     return {"kind": "prefill", "profile": profile, "prompt_tokens": n, "chunk": chunk, "decode_width": width,
-            "pieces": [m for how, m in cut if how in ("layer-major", "rows")], "tokens_by_piece": kinds,
+            "pieces": [m for how, m in cut if how not in ("scan", "step")], "tokens_by_piece": kinds,
             "seconds": round(seconds, 4), "tok_s": round(tok_s, 2),
             "compile_s": round(compile_s, 2),
             "bytes_per_token": {k: round(v) for k, v in per_token.items()},

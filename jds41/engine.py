@@ -251,7 +251,7 @@ class Session:
         trace = eng.tiers is not None
         if trace:
             eng.tiers.prefetch_tokens(tokens)  # token ids are known now: start the hash layers' SSD reads
-        for how, n in prompt_pieces(len(tokens), eng.plan.decode_width, eng.prefill_chunk):
+        for how, n in prompt_pieces(len(tokens), eng.plan.decode_width, eng.prefill_chunk, trace):
             chunk = tokens[i:i + n]
             logits, self.state, *routing = run_piece(eng.plan, eng.params, self.state, how, chunk,
                                                      self._engram_rows(chunk), trace)
@@ -259,7 +259,7 @@ class Session:
             out.append(logits if all_logits else logits[-1:])
             self.tokens += chunk
             i += n
-            if how in ("layer-major", "rows"):
+            if how in ("layer-major", "rows", "layer-major-rows"):
                 self._at_boundary(logits[-1])
         result = np.asarray(jnp.concatenate(out), np.float32)
         return result if all_logits else result[-1]

@@ -107,8 +107,9 @@ def _ssd_union_fetch(tl: TieredLayer, shapes: tuple):
 def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict[str, QTensor]:
     """Raw rows of the union's experts, [U, out, in] per stack, each from the tier that owns it: one gather from
     the tier-0 stack, one move from the pinned-host stack (tiers/experts.host_rows: one device_put per expert, of
-    the whole stack when the union could cover it, else of each union entry the host owns), one host call for the SSD experts
-    (made only when the union has one). Every move depends on the layer's routing, so layers move in turn."""
+    the whole stack when the union could cover it, else of each union entry the host owns), one host call for the
+    SSD experts (made only when the union has one). Every move depends on the layer's routing, so layers move in
+    turn."""
     U = union_U.shape[0]
     tier_U = jnp.where(valid_U, tl.tier_E[union_U], -1)
     local_U = tl.local_E[union_U]

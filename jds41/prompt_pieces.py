@@ -4,7 +4,8 @@ At decode width 1 (the one-token step): layer-major groups of `chunk` tokens and
 (jds41/prefill.py), then token-major scans of SCAN_PIECE tokens (model.prefill), then single steps; all three are
 bit-identical to decode one token at a time. At width W > 1: pieces of whole W-row blocks (block_step.prefill_rows,
 each block one row-batched pass) and the last n % W tokens one position at a time through the width-W decode;
-bit-identical to decoding the prompt one token at a time at width W (row uniformity: tests/test_block_step.py).
+bit-identical to decoding the prompt one token at a time at width W (row uniformity: tests/test_block_step.py);
+with tiered experts the blocks of a group run layer-major (jds41/layer_major_rows.py), the same bits.
 `chunk` 0 is the reference path: every piece is token-major (width 1) or a single width-W step.
 """
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 from jds41 import model as M
 from jds41 import prefill as PF
 from jds41.block_step import decode_step_for, prefill_rows
+from jds41.layer_major_rows import prefill_layer_major_rows
 
 SCAN_PIECE = 32  # tokens per token-major scan call: one compiled program serves every prompt length
 ROWS_MIN_BLOCKS = 8  # the smallest prefill_rows piece, in blocks; shorter remainders run one position at a time
@@ -26,15 +28,17 @@ def chunk_tokens(chunk: int, width: int) -> int:
     return max(chunk // width, 1) * width if chunk > 0 else 0
 
 
-def prompt_pieces(n_tokens: int, width: int, chunk: int) -> list[tuple[str, int]]:
-    """[(how, tokens)] in order, how in "layer-major", "scan", "rows", "step" (one token)."""
+def prompt_pieces(n_tokens: int, width: int, chunk: int, tiered: bool = False) -> list[tuple[str, int]]:
+    """[(how, tokens)] in order, how in "layer-major", "scan", "rows", "layer-major-rows", "step" (one token).
+    At width W > 1 the groups of blocks run layer-major ("layer-major-rows": each layer's experts moved once per
+    group) when experts are `tiered`, else block after block ("rows"); both give the same bits."""
     if width == 1:
         groups, rest = PF.plan_pieces(n_tokens, chunk)
         pieces = [("layer-major", n) for n in groups] + [("scan", SCAN_PIECE)] * (rest // SCAN_PIECE)
         rest %= SCAN_PIECE
     else:
         blocks = PF.plan_pieces(n_tokens // width, chunk_tokens(chunk, width) // width, ROWS_MIN_BLOCKS)[0]
-        pieces = [("rows", b * width) for b in blocks]
+        pieces = [("layer-major-rows" if tiered else "rows", b * width) for b in blocks]
         rest = n_tokens - sum(n for _, n in pieces)
     return pieces + [("step", 1)] * rest
 
@@ -52,9 +56,9 @@ def run_piece(plan: M.ModelPlan, params: dict, state: dict, how: str, tokens: li
                                                       None if engram_rows is None else engram_rows[0],
                                                       trace_routing, feature_layers)
         return (logits[None], state, *(jax.tree.map(lambda a: a[None], e) for e in extra))
-    if how == "rows":
+    if how in ("rows", "layer-major-rows"):
         W = plan.decode_width
-        return prefill_rows(plan, params, state, _blocks(toks, W), _blocks(engram_rows, W), trace_routing,
-                            feature_layers)
+        run = prefill_rows if how == "rows" else prefill_layer_major_rows
+        return run(plan, params, state, _blocks(toks, W), _blocks(engram_rows, W), trace_routing, feature_layers)
     run = {"layer-major": PF.prefill_layer_major, "scan": M.prefill}[how]
     return run(plan, params, state, toks, engram_rows, trace_routing, feature_layers)

@@ -320,7 +320,7 @@ class SpeculativeSession(Session):
         out, i = [], 0
         if trace:
             eng.tiers.prefetch_tokens(tokens)
-        for how, n in prompt_pieces(len(tokens), self.plan.decode_width, eng.prefill_chunk):
+        for how, n in prompt_pieces(len(tokens), self.plan.decode_width, eng.prefill_chunk, trace):
             chunk = tokens[i:i + n]
             logits, self.state, *extra = run_piece(self.plan, eng.params, self.state, how, chunk,
                                                    self._engram_rows(chunk), trace, self.feature_layers)

@@ -49,8 +49,8 @@ def test_bench_tiered_profile_moves_fewer_bytes_layer_major():
     assert 0 < per["ssd"] <= token_major["ssd"]
     assert run["tier_stats"]["tokens"] >= 48
     _check_roofline(run)
-    # at width 4 the prompt is read in 4-row blocks, each moving its own union: between the two
-    assert wide["decode_width"] == 4 and wide["tokens_by_piece"] == {"rows": 48}
-    assert 0 < wide["bytes_per_token"]["host"] <= wide["token_major_bytes_per_token"]["host"]
+    # at width 4 the tiered prompt is read in layer-major groups of 4-row blocks: each expert once per group
+    assert wide["decode_width"] == 4 and wide["tokens_by_piece"] == {"layer-major-rows": 48}
+    assert 0 < wide["bytes_per_token"]["host"] < wide["token_major_bytes_per_token"]["host"]
     assert wide["bytes_per_token"]["hbm"] < run["bytes_per_token"]["hbm"]  # dense weights read once per block
     _check_roofline(wide)

@@ -145,7 +145,8 @@ def test_prompt_pieces_at_the_decode_width_equal_decode_at_that_width(synthetic_
                                                                        tiered):
     """A prompt cut into whole W-row blocks (block_step.prefill_rows, a scan of batched passes; pieces of 6, 4 and 1
     blocks) and single width-W steps gives, position by position, the logits, routing and DSpark features of
-    feeding it one token at a time through decode_rows at width W, and the same state after the last one."""
+    feeding it one token at a time through decode_rows at width W, and the same state after the last one; so does
+    the layer-major pass at width W (layer_major_rows) over the same blocks."""
     from jds41 import prompt_pieces as PP
 
     monkeypatch.setattr(PP, "ROWS_MIN_BLOCKS", 1)
@@ -170,6 +171,10 @@ def test_prompt_pieces_at_the_decode_width_equal_decode_at_that_width(synthetic_
         want, want_state = run([("step", 1)] * len(prompt))
         _same(got, want, "per-position outputs")
         _same(got_state, want_state, "state after the prompt")
+        # the layer-major pass at width W: the same rows, each layer's experts moved once per group
+        lm, lm_state = run([("layer-major-rows", n) if how == "rows" else (how, n) for how, n in pieces])
+        _same(lm, want, "layer-major per-position outputs")
+        _same(lm_state, want_state, "layer-major state after the prompt")
     finally:
         if engine.tiers is not None:
             engine.tiers.close()

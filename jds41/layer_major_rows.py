@@ -1,0 +1,148 @@
+"""The layer-major prefill at a row width: a prompt group of N blocks of W rows read layer by layer, so that with
+tiered experts each layer's experts move once per group instead of once per W-row block.
+
+`block_step.prefill_rows` reads a group block after block (a scan of `step_rows`): every block brings the union of
+its own W rows' experts from the host and the SSD, which under lucebox costs more than the width-1 layer-major
+group (jds41/prefill.py) saves. This pass reorders the same per-row arithmetic the way prefill.layer_major reorders
+the one-token step: for layer l, a scan over the N blocks runs the attention sublayer of `step_rows` for W rows at a
+time (`block_step._attention_rows`, carrying layer l's state), then routes every row, takes the union of the whole
+group's experts, moves it once (prefill.union_stack), and a second scan over the blocks runs `step_rows`' FFN rows
+from that union stack. Values that cross layers per row go from one layer pass to the next with a leading [N, W]:
+the residual stream, the V4.1 `pre` lag, the index source's top-k and the candidate blocks.
+
+Bit-identical to `prefill_rows` (and so to decoding the prompt one token at a time at width W) for the reasons
+prefill.layer_major is bit-identical to the token-major scan: every row goes through the same batched functions
+over W rows; a layer whose kv source is an earlier layer reads that source's compressed rows after the whole group,
+where rows of later positions are masked by position; and a row's experts are gathered by position from a larger
+union stack holding the same raw bytes (tests/test_block_step.py checks logits, routing, features and state).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jds41 import model as M
+from jds41 import prefill as PF
+from jds41.block_step import _attention_rows
+from jds41.layers.engram import engram_combine
+from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_onehot_pre
+from jds41.layers.moe import routed_experts, shared_expert
+from jds41.layers.norm import rms_norm
+from jds41.quant import qmatvec
+from jds41.tiers.experts import prefetch_experts
+
+
+def _attention_blocks(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: list, xs: dict, shared_in: dict,
+                      feature: bool):
+    """Layer lp over the N blocks in order: Engram, the attention sublayer for W rows at a time, the FFN's input and
+    routing. Returns (layer state after the group, per-block outputs [N, W, ...])."""
+    cfg = plan.cfg
+    w = params["blocks"][lp.index]
+    source_st = layers[lp.kv_source] if 0 <= lp.kv_source != lp.index else None
+
+    def mix(x, branch):
+        return jax.vmap(lambda x_HD: M._sublayer_mix(cfg, w, branch, x_HD))(x)
+
+    def collapse(x, p, norm):
+        return jax.vmap(lambda x_HD, p_H: rms_norm(hc_collapse(x_HD, p_H), w[norm], cfg.rms_eps))(x, p)
+
+    def body(st, b):
+        x = b["x"]
+        if lp.engram_slot >= 0:
+            x = jax.vmap(lambda x_HD, rows: engram_combine(x_HD, rows, w["engram_wkv"], w["engram_q"], w["engram_k"],
+                                                           cfg.rms_eps))(x, b["engram"])
+        extra = {"feature": jnp.mean(x, axis=1)} if feature else {}
+        new_st = [None] * cfg.n_layers
+        new_st[lp.index] = st
+        if source_st is not None:
+            new_st[lp.kv_source] = source_st  # read only where visible: rows of later positions are masked
+        shared = {PF._step_key(k): v for k, v in b["shared"].items()}
+        pre, post, comb = mix(x, "attn")
+        h = collapse(x, b["pre_prev"] if cfg.hc_lag else pre, "attn_norm")
+        out, _ = _attention_rows(plan, lp, w, new_st, h, b["pos"], shared)
+        x = jax.vmap(hc_expand)(x, out, post, comb)
+        pre_f, post_f, comb_f = mix(x, "ffn")
+        h_f = collapse(x, pre if cfg.hc_lag else pre_f, "ffn_norm")
+        r = jax.vmap(lambda h_D, t: M.route_layer(plan, lp, w, h_D, t))(h_f, b["token"])
+        guess = jax.vmap(lambda h_D: PF._guess_next(plan, lp, params, h_D))(h_f)
+        new_keys = {PF._tree_key(k): v for k, v in shared.items() if PF._tree_key(k) not in b["shared"]}
+        return new_st[lp.index], {"x": x, "pre": pre_f, "post": post_f, "comb": comb_f, "h": h_f, "idx": r.idx_K,
+                                  "weight": r.weight_K, "swaps": r.swaps, "guess": guess, "shared": new_keys, **extra}
+
+    return jax.lax.scan(body, layers[lp.index], {**xs, "shared": shared_in})
+
+
+def _ffn_blocks(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict) -> jax.Array:
+    """Routed + shared experts and the FFN's mHC expand, W rows at a time, from the group's union -> [N, W, H, D]."""
+    cfg = plan.cfg
+    limit = cfg.swiglu_limit[lp.index]
+    N, W, K = a["idx"].shape
+    if "routed" in w:
+        union, valid, pos = PF.expert_union(a["idx"].reshape(N * W, K), w["routed"].tier_E.shape[0])
+        g = PF.union_stack(w["routed"], union, valid)
+        stacks, idx = (g["gate"], g["up"], g["down"]), pos.reshape(N, W, K)
+    else:
+        stacks, idx = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), a["idx"]
+
+    def body(_, b):
+        y = jax.vmap(lambda h, i, wt: routed_experts(h, *stacks, i, wt, limit))(b["h"], b["idx"], b["weight"])
+        if cfg.n_shared_experts:
+            y = y + jax.vmap(lambda h: shared_expert(h, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"],
+                                                     cfg.swiglu_limit_shexp[lp.index]))(b["h"])
+        return None, jax.vmap(hc_expand)(b["x"], y, b["post"], b["comb"])
+
+    blocks = {"h": a["h"], "idx": idx, "weight": a["weight"], "x": a["x"], "post": a["post"], "comb": a["comb"]}
+    return jax.lax.scan(body, None, blocks)[1]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
+def prefill_layer_major_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: jax.Array,
+                             engram_rows_NW=None, trace_routing: bool = False,
+                             feature_layers: tuple[int, ...] = ()):
+    """`block_step.prefill_rows`' contract, layer-major: (logits [N*W, V], state[, routing][, features])."""
+    cfg = plan.cfg
+    N, W = tokens_NW.shape
+    pos = state["pos"] + jnp.arange(N * W, dtype=jnp.int32).reshape(N, W)
+    x = jax.lax.map(jax.vmap(lambda t: jnp.broadcast_to(M.embed(params["token_embd"], t), (cfg.hc_mult, cfg.dim))),
+                    tokens_NW)
+    pre_prev = jnp.broadcast_to(hc_onehot_pre(cfg.hc_mult), (N, W, cfg.hc_mult))
+    layers = list(state["layers"])
+    produced: dict = {}
+    trace = {"experts": [], "swaps": [], "predicted_next": []}
+    features = {}
+    for lp in plan.layers:
+        w = params["blocks"][lp.index]
+        xs = {"x": x, "pre_prev": pre_prev, "pos": pos, "token": tokens_NW}
+        if lp.engram_slot >= 0:
+            xs["engram"] = engram_rows_NW[:, :, lp.engram_slot]
+        layers[lp.index], a = _attention_blocks(plan, lp, params, layers, xs, PF._shared_inputs(lp, produced),
+                                                lp.index in feature_layers)
+        produced.update(a["shared"])
+        if lp.index in feature_layers:
+            features[lp.index] = a["feature"]
+        nxt = lp.index + 1
+        if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
+            prefetch_experts(params["blocks"][nxt]["routed"], a["guess"].reshape(-1))
+        x, pre_prev = _ffn_blocks(plan, lp, w, a), a["pre"]
+        for k, v in (("experts", a["idx"]), ("swaps", a["swaps"]), ("predicted_next", a["guess"])):
+            trace[k].append(v)
+
+    def head(x_HD, p):
+        if cfg.hc_lag:
+            y = hc_collapse(x_HD, p)
+        else:
+            y = hc_head(x_HD, params["output_hc_fn"], params["output_hc_scale"], params["output_hc_base"], cfg.hc_eps,
+                        cfg.rms_eps)
+        return qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
+
+    logits = jax.lax.map(lambda b: jax.vmap(head)(*b), (x, pre_prev))
+    out = (logits.reshape(N * W, -1), {"pos": state["pos"] + N * W, "layers": layers})
+    flat = functools.partial(jax.tree.map, lambda a: a.reshape((N * W, *a.shape[2:])))
+    if trace_routing:
+        out += (flat({k: jnp.stack(v, axis=2) for k, v in trace.items()}),)
+    if feature_layers:
+        out += (flat(jnp.stack([features[i] for i in feature_layers], axis=2)),)
+    return out
