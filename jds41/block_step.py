@@ -126,24 +126,25 @@ def _attention_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, new_st: list, h
     return jax.vmap(lambda o_HK, p: attention.output(cfg, w, o_HK, p, freqs))(o, pos_W), small
 
 
-def _live_or_first(live_W, a_W):
-    """a_W with every padding row replaced by row 0's (row 0 is always live): padding rows then ask for no expert
-    that a live row does not, so they add no tier traffic. A row's own bits never depend on another row's."""
-    if live_W is None:
-        return a_W
-    return jnp.where(live_W.reshape((-1,) + (1,) * (a_W.ndim - 1)), a_W, a_W[:1])
+def _first_rows(a_n, width: int):
+    """The n rows of a_n followed by copies of its row 0 up to `width` rows: padding rows then use a live row's
+    values (a row's own bits never depend on another row's)."""
+    return jnp.concatenate([a_n, jnp.broadcast_to(a_n[:1], (width - a_n.shape[0], *a_n.shape[1:]))])
 
 
-def _ffn_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_W, tokens_W, live_W=None):
+def _ffn_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_W, tokens_W, live: int | None = None):
     """(FFN output [W, D], routed expert ids [W, K], lean swaps [W]); tiered experts come as the union of the
-    live rows' experts, each moved from its tier once (prefill.union_stack); padding rows compute with row 0's."""
+    live rows' experts, each moved from its tier once (prefill.union_stack); padding rows compute with row 0's.
+    The union is sized for the live rows only (static), so a width-W decode step (one live row) moves and
+    returns K experts' rows per layer, as the one-token step does, not W*K."""
     cfg = plan.cfg
     limit = cfg.swiglu_limit[lp.index]
     r = jax.vmap(lambda h, t: M.route_layer(plan, lp, w, h, t))(h_W, tokens_W)
     if "routed" in w:
-        union, valid, pos_WK = PF.expert_union(_live_or_first(live_W, r.idx_K), w["routed"].tier_E.shape[0])
+        n = h_W.shape[0] if live is None else live
+        union, valid, pos_LK = PF.expert_union(r.idx_K[:n], w["routed"].tier_E.shape[0])
         g = PF.union_stack(w["routed"], union, valid)
-        stacks, idx_WK = (g["gate"], g["up"], g["down"]), pos_WK
+        stacks, idx_WK = (g["gate"], g["up"], g["down"]), _first_rows(pos_LK, h_W.shape[0])
     else:
         stacks, idx_WK = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), r.idx_K
     y = jax.vmap(lambda h, i, wt: routed_experts(h, *stacks, i, wt, limit))(h_W, idx_WK, r.weight_K)
@@ -154,11 +155,11 @@ def _ffn_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_W, tokens_W, live_W
 
 
 def step_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_W: jax.Array, engram_rows_W=None,
-              trace_routing: bool = False, feature_layers: tuple[int, ...] = (), live_W=None):
+              trace_routing: bool = False, feature_layers: tuple[int, ...] = (), live: int | None = None):
     """W positions from state["pos"] on: (logits [W, V], state after all W, small leaves per layer and row[,
     routing {"experts" [W, L, K], "swaps" [W, L], "predicted_next" [W, L, K]}][, features [W, n, D]]).
-    `live_W` (bool [W], row 0 True; None = all rows live) marks the rows whose outputs the caller keeps: the
-    others are padding and move no expert of their own (their routing entries are then meaningless)."""
+    `live` (static; None = all W) is the number of leading rows whose outputs the caller keeps: the others are
+    padding and move no expert of their own (their routing entries are then meaningless)."""
     cfg = plan.cfg
     W = tokens_W.shape[0]
     pos_W = state["pos"] + jnp.arange(W, dtype=jnp.int32)
@@ -186,9 +187,9 @@ def step_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_W: jax.Array,
                 guess = jax.vmap(lambda h_D, lp=lp: PF._guess_next(plan, lp, params, h_D))(h)
                 nxt = lp.index + 1
                 if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
-                    prefetch_experts(params["blocks"][nxt]["routed"], _live_or_first(live_W, guess).reshape(-1))
+                    prefetch_experts(params["blocks"][nxt]["routed"], guess[:live].reshape(-1))
                 predicted.append(guess)
-                out, idx, n_swaps = _ffn_rows(plan, lp, w, h, tokens_W, live_W)
+                out, idx, n_swaps = _ffn_rows(plan, lp, w, h, tokens_W, live)
                 routing.append(idx)
                 swaps.append(n_swaps)
             x = jax.vmap(hc_expand)(x, out, post, comb)
@@ -227,8 +228,7 @@ def step_at_width(plan: M.ModelPlan, params: dict, state: dict, token: jax.Array
     if engram_rows is not None:
         rows = jnp.zeros((W, *engram_rows.shape), engram_rows.dtype).at[0].set(engram_rows)
     undo = _undo(plan, state, state["pos"] + jnp.arange(W, dtype=jnp.int32))
-    live = jnp.arange(W) == 0
-    logits, st, small, *extra = step_rows(plan, params, state, tokens, rows, trace_routing, feature_layers, live)
+    logits, st, small, *extra = step_rows(plan, params, state, tokens, rows, trace_routing, feature_layers, 1)
     st = rollback(plan, st, undo, small, jnp.int32(1))
     return (logits[0], st, *(jax.tree.map(lambda a: a[0], e) for e in extra))
 
