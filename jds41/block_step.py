@@ -34,12 +34,11 @@ from jds41 import model as M
 from jds41 import prefill as PF
 from jds41.layers import attention, compressor, indexer
 from jds41.layers.engram import engram_combine
-from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_onehot_pre
+from jds41.layers.mhc import hc_collapse, hc_expand, hc_onehot_pre
 from jds41.layers.moe import routed_experts, shared_expert
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import layer_rope_freqs
 from jds41.layers.rowwise import island
-from jds41.quant import qmatvec
 from jds41.tiers.experts import prefetch_experts
 
 SMALL_LEAVES = ("kv_buf", "score_buf", "latent")  # the compressor leaves a rollback takes per position
@@ -195,15 +194,7 @@ def step_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_W: jax.Array,
             x = jax.vmap(hc_expand)(x, out, post, comb)
             pre_prev = pre
 
-    def head(x_HD, p):
-        if cfg.hc_lag:
-            y = hc_collapse(x_HD, p)
-        else:
-            y = hc_head(x_HD, params["output_hc_fn"], params["output_hc_scale"], params["output_hc_base"], cfg.hc_eps,
-                        cfg.rms_eps)
-        return qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
-
-    logits = jax.vmap(head)(x, pre_prev)
+    logits = jax.vmap(lambda x_HD, p: M.output_head(cfg, params, x_HD, p))(x, pre_prev)
     out = (logits, {"pos": state["pos"] + W, "layers": new_layers}, small)
     if trace_routing:
         out += ({"experts": jnp.stack(routing, axis=1), "swaps": jnp.stack(swaps, axis=1),

@@ -259,7 +259,7 @@ class Session:
             out.append(logits if all_logits else logits[-1:])
             self.tokens += chunk
             i += n
-            if how in ("layer-major", "rows", "layer-major-rows"):
+            if how != "step":  # a snapshot only where a piece ends: single steps end nowhere in particular
                 self._at_boundary(logits[-1])
         result = np.asarray(jnp.concatenate(out), np.float32)
         return result if all_logits else result[-1]

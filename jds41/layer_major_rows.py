@@ -28,10 +28,9 @@ from jds41 import model as M
 from jds41 import prefill as PF
 from jds41.block_step import _attention_rows
 from jds41.layers.engram import engram_combine
-from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_onehot_pre
+from jds41.layers.mhc import hc_collapse, hc_expand, hc_onehot_pre
 from jds41.layers.moe import routed_experts, shared_expert
 from jds41.layers.norm import rms_norm
-from jds41.quant import qmatvec
 from jds41.tiers.experts import prefetch_experts
 
 
@@ -130,15 +129,7 @@ def prefill_layer_major_rows(plan: M.ModelPlan, params: dict, state: dict, token
         for k, v in (("experts", a["idx"]), ("swaps", a["swaps"]), ("predicted_next", a["guess"])):
             trace[k].append(v)
 
-    def head(x_HD, p):
-        if cfg.hc_lag:
-            y = hc_collapse(x_HD, p)
-        else:
-            y = hc_head(x_HD, params["output_hc_fn"], params["output_hc_scale"], params["output_hc_base"], cfg.hc_eps,
-                        cfg.rms_eps)
-        return qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
-
-    logits = jax.lax.map(lambda b: jax.vmap(head)(*b), (x, pre_prev))
+    logits = jax.lax.map(lambda b: jax.vmap(lambda x_HD, p: M.output_head(cfg, params, x_HD, p))(*b), (x, pre_prev))
     out = (logits.reshape(N * W, -1), {"pos": state["pos"] + N * W, "layers": layers})
     flat = functools.partial(jax.tree.map, lambda a: a.reshape((N * W, *a.shape[2:])))
     if trace_routing:

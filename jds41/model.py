@@ -269,18 +269,24 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
                 swaps.append(n_swaps)
             x = hc_expand(x, out, post, comb)
             pre_prev = pre
-    if cfg.hc_lag:
-        y = hc_collapse(x, pre_prev)
-    else:
-        y = hc_head(x, params["output_hc_fn"], params["output_hc_scale"], params["output_hc_base"], cfg.hc_eps,
-                    cfg.rms_eps)
-    logits = qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
+    logits = output_head(cfg, params, x, pre_prev)
     out = (logits, {"pos": pos + 1, "layers": new_layers})
     if trace_routing:
         out += ({"experts": jnp.stack(routing), "swaps": jnp.stack(swaps), "predicted_next": jnp.stack(predicted)},)
     if feature_layers:
         out += (jnp.stack([features[i] for i in feature_layers]),)
     return out
+
+
+def output_head(cfg: ModelConfig, params: dict, x_HD, pre_H) -> jax.Array:
+    """Logits [V] of one position's final stream: the hc collapse (V4.1: with the lagged `pre`; V4: the head's own
+    mHC), the output norm and the output matrix."""
+    if cfg.hc_lag:
+        y = hc_collapse(x_HD, pre_H)
+    else:
+        y = hc_head(x_HD, params["output_hc_fn"], params["output_hc_scale"], params["output_hc_base"], cfg.hc_eps,
+                    cfg.rms_eps)
+    return qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)

@@ -51,12 +51,12 @@ from jax.experimental import io_callback
 
 from jds41 import model as M
 from jds41.layers.engram import engram_combine
-from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_onehot_pre
+from jds41.layers.mhc import hc_collapse, hc_expand, hc_onehot_pre
 from jds41.layers.moe import routed_experts, shared_expert
 from jds41.layers.norm import rms_norm
 from jds41.layers.router import route
 from jds41.layers.rowwise import island
-from jds41.quant import QTensor, qmatvec
+from jds41.quant import QTensor
 from jds41.tiers.experts import FAILURES, STACKS, TieredLayer, host_rows, prefetch_experts
 
 LAYER_MAJOR_MIN = 64  # the smallest layer-major piece; shorter remainders run token-major (model.prefill/step)
@@ -282,15 +282,7 @@ def layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array,
         trace["swaps"].append(a["swaps"])
         trace["predicted_next"].append(a["guess"])
 
-    def head(r):
-        if cfg.hc_lag:
-            y = hc_collapse(r["x"], r["pre"])
-        else:
-            y = hc_head(r["x"], params["output_hc_fn"], params["output_hc_scale"], params["output_hc_base"],
-                        cfg.hc_eps, cfg.rms_eps)
-        return qmatvec(rms_norm(y, params["output_norm"], cfg.rms_eps), params["output"])
-
-    logits = jax.lax.map(head, {"x": x, "pre": pre_prev})
+    logits = jax.lax.map(lambda r: M.output_head(cfg, params, r["x"], r["pre"]), {"x": x, "pre": pre_prev})
     extras = {}
     if trace_routing:
         extras["routing"] = {k: jnp.stack(v, axis=1) for k, v in trace.items()}
