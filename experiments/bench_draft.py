@@ -50,7 +50,7 @@ from heldout import text_prompts  # noqa: E402
 from jds41.decode_loop import greedy_generate  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
 from jds41.speculative import VERIFY_MODES, DSparkDrafter, SpeculativeSession, resolve_verify  # noqa: E402
-from jds41.speculative_loop import ForcedDrafter, speculative_generate  # noqa: E402
+from jds41.speculative_loop import ForcedDrafter  # noqa: E402
 
 MODES = ("plain", "dspark", "dspark-host", "oracle-right", "oracle-wrong")
 
@@ -91,27 +91,6 @@ def _device_loop_tok_s(engine, prompts: list[list[int]], n: int) -> float:
     run(prompts[0])  # warm-up: compiles
     done = [run(p) for p in prompts]
     return round(sum(k for k, _ in done) / sum(t for _, t in done), 3)
-
-
-def _xla_profile(args, engine, session, prompt: list[int], name: str) -> dict:
-    """One more (compiled) run of the first prompt under jax.profiler, written to --xla-profile/NAME: the plain row
-    traces the device loop (decode_loop.greedy_generate), a drafting row its own device loop. Returns where the
-    trace is and what it covers; experiments/profile_summary.py turns it into time per named scope."""
-    import jax
-
-    path = os.path.join(args.xla_profile, name)
-    s = session(0)
-    first = int(np.argmax(s.feed(prompt)))
-    with jax.profiler.trace(path):
-        t0 = time.perf_counter()
-        if isinstance(s, SpeculativeSession):
-            out = speculative_generate(s, s.drafter, first, args.trace_tokens)
-        else:
-            out = greedy_generate(s, first, args.trace_tokens)
-        seconds = time.perf_counter() - t0
-    stats = s.stats.to_dict() if isinstance(s, SpeculativeSession) else None
-    return {"dir": path, "tokens": len(out) - 1, "seconds": round(seconds, 4),
-            "steps": stats["verify_steps"] + stats["plain_steps"] if stats else len(out) - 1}
 
 
 def bench_profile(args, profile: str | None, width: int = 1) -> list[dict]:
@@ -180,9 +159,6 @@ def bench_profile(args, profile: str | None, width: int = 1) -> list[dict]:
                 row["speedup_vs_token_major"] = round(row["decode_tok_s"] / tm["decode_tok_s"], 4)
             if tm is not None:
                 row["same_draft_stats_as_token_major"] = mode_stats[(mode, "token-major")] == stats
-        if args.xla_profile:
-            row["xla_profile"] = _xla_profile(args, engine, session, prompts[0], f"{row['profile']}-w{width}-{mode}"
-                                              + (f"-{verify}" if verify else ""))
         if engine.tiers is not None:
             row["tiers"] = engine.tiers.stats()
         results.append(row)
@@ -209,9 +185,6 @@ def main(argv: list[str] | None = None) -> int:
                     "instead of random ids: acceptance needs real text and a trained model")
     ap.add_argument("--decode-widths", default="1", help="comma separated engine decode widths (1 = the one-token "
                     "step; W > 1 = the W-row batched pass, for a drafter of block size W - 1)")
-    ap.add_argument("--xla-profile", default=None, metavar="DIR", help="also trace one run per (profile, width, "
-                    "mode) with jax.profiler into DIR (summarize with experiments/profile_summary.py)")
-    ap.add_argument("--trace-tokens", type=int, default=32, help="new tokens of the traced run")
     args = ap.parse_args(argv)
     args.widths = [int(w) for w in args.decode_widths.split(",") if w]
     if not args.widths or min(args.widths) < 1:

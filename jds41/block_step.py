@@ -171,36 +171,30 @@ def step_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_W: jax.Array,
         w = params["blocks"][lp.index]
         if lp.engram_slot >= 0:
             rows_W = engram_rows_W[:, lp.engram_slot]
-            with jax.named_scope("engram"):
-                x = jax.vmap(lambda x_HD, rows, w=w: engram_combine(x_HD, rows, w["engram_wkv"], w["engram_q"],
-                                                                   w["engram_k"], cfg.rms_eps))(x, rows_W)
+            x = jax.vmap(lambda x_HD, rows, w=w: engram_combine(x_HD, rows, w["engram_wkv"], w["engram_q"],
+                                                               w["engram_k"], cfg.rms_eps))(x, rows_W)
         if lp.index in feature_layers:
             features[lp.index] = jnp.mean(x, axis=1)
         for branch in ("attn", "ffn"):
-            with jax.named_scope("mhc"):
-                pre, post, comb = jax.vmap(lambda x_HD, b=branch, w=w: M._sublayer_mix(cfg, w, b, x_HD))(x)
-                h = jax.vmap(lambda x_HD, p, b=branch, w=w: rms_norm(hc_collapse(x_HD, p), w[f"{b}_norm"],
-                                                                     cfg.rms_eps))(x, pre_prev if cfg.hc_lag else pre)
+            pre, post, comb = jax.vmap(lambda x_HD, b=branch, w=w: M._sublayer_mix(cfg, w, b, x_HD))(x)
+            h = jax.vmap(lambda x_HD, p, b=branch, w=w: rms_norm(hc_collapse(x_HD, p), w[f"{b}_norm"], cfg.rms_eps))(
+                x, pre_prev if cfg.hc_lag else pre)
             if branch == "attn":
-                with jax.named_scope("attention"):
-                    out, sm = _attention_rows(plan, lp, w, new_layers, h, pos_W, shared)
+                out, sm = _attention_rows(plan, lp, w, new_layers, h, pos_W, shared)
                 small.append(sm)
             else:
-                with jax.named_scope("ffn"):
-                    guess = jax.vmap(lambda h_D, lp=lp: PF._guess_next(plan, lp, params, h_D))(h)
-                    nxt = lp.index + 1
-                    if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
-                        prefetch_experts(params["blocks"][nxt]["routed"], guess[:live].reshape(-1))
-                    out, idx, n_swaps = _ffn_rows(plan, lp, w, h, tokens_W, live)
+                guess = jax.vmap(lambda h_D, lp=lp: PF._guess_next(plan, lp, params, h_D))(h)
+                nxt = lp.index + 1
+                if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
+                    prefetch_experts(params["blocks"][nxt]["routed"], guess[:live].reshape(-1))
                 predicted.append(guess)
+                out, idx, n_swaps = _ffn_rows(plan, lp, w, h, tokens_W, live)
                 routing.append(idx)
                 swaps.append(n_swaps)
-            with jax.named_scope("mhc"):
-                x = jax.vmap(hc_expand)(x, out, post, comb)
+            x = jax.vmap(hc_expand)(x, out, post, comb)
             pre_prev = pre
 
-    with jax.named_scope("head"):
-        logits = jax.vmap(lambda x_HD, p: M.output_head(cfg, params, x_HD, p))(x, pre_prev)
+    logits = jax.vmap(lambda x_HD, p: M.output_head(cfg, params, x_HD, p))(x, pre_prev)
     out = (logits, {"pos": state["pos"] + W, "layers": new_layers}, small)
     if trace_routing:
         out += ({"experts": jnp.stack(routing, axis=1), "swaps": jnp.stack(swaps, axis=1),

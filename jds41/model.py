@@ -253,29 +253,23 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
     for lp in plan.layers:
         w = params["blocks"][lp.index]
         if lp.engram_slot >= 0:
-            with jax.named_scope("engram"):
-                x = engram_combine(x, engram_rows[lp.engram_slot], w["engram_wkv"], w["engram_q"], w["engram_k"],
-                                   cfg.rms_eps)
+            x = engram_combine(x, engram_rows[lp.engram_slot], w["engram_wkv"], w["engram_q"], w["engram_k"],
+                               cfg.rms_eps)
         if lp.index in feature_layers:
             features[lp.index] = jnp.mean(x, axis=0)
         for branch in ("attn", "ffn"):
-            with jax.named_scope("mhc"):
-                pre, post, comb = _sublayer_mix(cfg, w, branch, x)
-                h = rms_norm(hc_collapse(x, pre_prev if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
+            pre, post, comb = _sublayer_mix(cfg, w, branch, x)
+            h = rms_norm(hc_collapse(x, pre_prev if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
             if branch == "attn":
-                with jax.named_scope("attention"):
-                    out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared)
+                out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared)
             else:
-                with jax.named_scope("ffn"):
-                    predicted.append(_predict_next(plan, lp, params, h))
-                    out, idx, n_swaps = _ffn_block(plan, lp, w, h, token)
+                predicted.append(_predict_next(plan, lp, params, h))
+                out, idx, n_swaps = _ffn_block(plan, lp, w, h, token)
                 routing.append(idx)
                 swaps.append(n_swaps)
-            with jax.named_scope("mhc"):
-                x = hc_expand(x, out, post, comb)
+            x = hc_expand(x, out, post, comb)
             pre_prev = pre
-    with jax.named_scope("head"):
-        logits = output_head(cfg, params, x, pre_prev)
+    logits = output_head(cfg, params, x, pre_prev)
     out = (logits, {"pos": pos + 1, "layers": new_layers})
     if trace_routing:
         out += ({"experts": jnp.stack(routing), "swaps": jnp.stack(swaps), "predicted_next": jnp.stack(predicted)},)

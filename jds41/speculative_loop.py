@@ -202,24 +202,17 @@ def _loop(plan: M.ModelPlan, draft, n_max: int, rows_fn, trace: bool, how: str, 
     def verify(operands):
         st, dst, last, hist, n_hist = operands
         t0 = st["pos"]
-        # named scopes: what an XLA profile of the loop attributes its kernels to (experiments/profile_summary.py)
-        with jax.named_scope("draft_propose"):
-            drafts = draft.propose(dparams, dst, last, t0).astype(jnp.int32)
+        drafts = draft.propose(dparams, dst, last, t0).astype(jnp.int32)
         block = jnp.concatenate([last[None], drafts])
-        with jax.named_scope("engram_rows"):
-            rows = rows_of(block, hist, n_hist)
-        with jax.named_scope("target_verify"):
-            res = verify_block(plan, params, st, block, rows, trace, feature_layers, how)
+        res = verify_block(plan, params, st, block, rows_of(block, hist, n_hist), trace, feature_layers,
+                           how)
         logits, st, undo, small, extra = res[0], res[1], res[2], res[3], res[4:]
-        with jax.named_scope("accept"):
-            targets = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # first maximum, like greedy_accept's argmax
-            a = jnp.sum(jnp.cumprod((drafts == targets[:k]).astype(jnp.int32)))
+        targets = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # first maximum, like greedy_accept's np.argmax
+        a = jnp.sum(jnp.cumprod((drafts == targets[:k]).astype(jnp.int32)))
         keep = a + 1
-        with jax.named_scope("rollback"):
-            st = rollback(plan, st, undo, small, keep)
+        st = rollback(plan, st, undo, small, keep)
         if feature_layers:
-            with jax.named_scope("draft_inject"):
-                dst = draft.inject(dparams, dst, extra[-1], t0, keep)
+            dst = draft.inject(dparams, dst, extra[-1], t0, keep)
         # drafts 0..a-1 equal targets 0..a-1, so the a+1 emitted tokens are targets[:keep]
         stats = jnp.stack([jnp.int32(1), jnp.int32(k), a, keep, jnp.int32(0)])
         return st, dst, block, targets, keep, (extra[0] if trace else {}), stats

@@ -53,13 +53,8 @@ def test_bench_draft_runs_on_cpu(tmp_path, monkeypatch, capsys):
 
     # both verify modes side by side: same drafts and tokens, the layer-major row compared with the token-major one
     assert bench.main([str(model), "--profiles", "all-hbm", "--tokens", "12", "--prompts", "2", "--prompt-len", "6",
-                       "--ctx", "256", "--modes", "plain,oracle-wrong", "--verify", "token-major,layer-major",
-                       "--xla-profile", str(tmp_path / "xla"), "--trace-tokens", "7"]) == 0
+                       "--ctx", "256", "--modes", "plain,oracle-wrong", "--verify", "token-major,layer-major"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "bench_draft.jsonl").read_text().splitlines()][1:]
-    for r in rows:  # each row's traced run: a jax.profiler trace on disk, its tokens and steps
-        prof = r["xla_profile"]
-        assert list(Path(prof["dir"]).rglob("*.xplane.pb")) and prof["tokens"] == 6 and prof["seconds"] > 0
-        assert prof["steps"] == 6  # plain: one step per token; oracle-wrong: one token per verify step
     assert [(r["mode"], r.get("verify")) for r in rows] == [("plain", None), ("oracle-wrong", "token-major"),
                                                            ("oracle-wrong", "layer-major")]
     assert rows[1]["identical_to_plain"] and rows[2]["identical_to_plain"]
