@@ -81,3 +81,26 @@ def test_text_prompts_take_long_enough_code_documents(tmp_path):
     docs = [("code", "ab"), ("prose", "long prose"), ("code", "abcdef"), ("code", "xyzw")]
     texts.write_text("".join(json.dumps({"kind": k, "text": t}) + "\n" for k, t in docs))
     assert text_prompts(Chars(), str(texts), 5, 4) == [[97, 98, 99, 100], [120, 121, 122, 119]]
+
+
+@pytest.mark.slow
+def test_bench_draft_parts_times_every_part_on_cpu(tmp_path, capsys):
+    model = tmp_path / "m.gguf"
+    cfg = preset("deepseek41", "tiny", draft_stages=2)
+    write_synthetic(model, cfg, quant="q8", progress=False)
+    spec = importlib.util.spec_from_file_location("bench_draft_parts", ROOT / "experiments" / "bench_draft_parts.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "parts.jsonl"
+    width = cfg.dspark.block_size + 1
+    assert bench.main([str(model), "--profiles", "none,all-hbm", "--decode-width", str(width), "--iters", "1,3",
+                       "--tokens", "9", "--prompt-len", "6", "--ctx", "256", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows[0]["meta"] and [r["profile"] for r in rows[1:]] == ["none", "all-hbm"]
+    for r in rows[1:]:
+        assert r["decode_width"] == width and r["verify"] == "batched" and r["block_size"] == width - 1
+        parts = ("step", "verify", "propose", "inject", "engram_rows", "loop_plain_step", "loop_verify_step")
+        assert all(r[f"{p}_ms"] >= 0 for p in parts) and r["loop_verify_step_ms"] > 0 and r["loop_plain_step_ms"] > 0
+        explained = sum(r[f"{p}_ms"] for p in ("propose", "engram_rows", "verify", "inject"))
+        assert abs(r["unexplained_ms"] - (r["loop_verify_step_ms"] - explained)) < 1e-3
+    assert capsys.readouterr().out.count("\n") == len(rows)
