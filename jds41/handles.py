@@ -91,6 +91,8 @@ class SchedulerStats:
     request_success_total: dict[str, int] = dataclasses.field(
         default_factory=lambda: {"stop": 0, "length": 0, "cancelled": 0})
     request_failure_total: int = 0
+    draft_tokens_total: int = 0  # speculative lane (serve --draft): draft tokens proposed, and of them accepted
+    draft_accepted_total: int = 0
     ttft_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=OBSERVATIONS_KEPT))
     itl_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=OBSERVATIONS_KEPT))
     e2e_s: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=OBSERVATIONS_KEPT))

@@ -11,6 +11,14 @@ yields `Token`s then one `Finished` (or one `Failed`), and `Handle.cancel()`. Ea
      with its own RNG (`engine.sample`), exactly as `Session.generate` does.
 Token ids, Engram rows and sampling stay on the host; the device only ever sees the fixed-shape batched step.
 
+With a drafter (`serve --draft`), greedy requests without logprobs take the speculative lane instead: their prompt
+is read by a `SpeculativeSession` (which hands the drafter the target features), their state stays in that session
+rather than in the stacked slots, and each iteration runs up to `draft_chunk` tokens of the DSpark device loop
+(jds41/speculative_loop.py) for each of them before the batched step of the others. Their tokens are those of
+`Session.generate` (`python -m jds41.generate`) bit for bit; the batched step agrees with that only to float
+rounding (batching.py), so a near-tie may resolve differently with and without --draft. Tokens of a drafted chunk
+arrive together, so their inter-token latencies are near zero and the chunk's wait lands on the first.
+
 Counting: a stop token is sampled and counted (completion_tokens, generation_tokens_total) like any other, but
 it is not sent as a `Token` event: it is not part of the output text. `max_tokens` is clamped to the context
 left after the prompt (prompt + completion <= max_ctx); reaching either limit finishes with "length".
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import copy
 import dataclasses
 import itertools
 import logging
@@ -32,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jds41 import batching
+from jds41.decode_loop import MAX_STOP_IDS
 from jds41.engine import PREFILL_CHUNK, Engine, RequestError, SamplingParams, Session, sample
 from jds41.handles import (
     ContextTooLong,
@@ -52,6 +62,7 @@ __all__ = ["ContextTooLong", "Event", "Failed", "Finished", "GenRequest", "Handl
 log = logging.getLogger(__name__)
 
 PREFILL_BUDGET = 8 * PREFILL_CHUNK  # prompt tokens prefilled per iteration, across all admitted requests
+DRAFT_CHUNK = 16  # tokens a drafted request decodes per iteration (one compiled device loop for every chunk)
 
 # A daemon thread still inside XLA when the interpreter finalizes aborts the process ("FATAL: exception not
 # rethrown"), so schedulers left running are stopped at exit. Held weakly: a dropped scheduler is not kept alive.
@@ -74,6 +85,7 @@ class _Slot:
     t_submit: float
     t_admit: float
     session: Session | None
+    drafted: Session | None = None  # the speculative lane's session once its prompt is read (state lives there)
     fed: int = 0  # prompt tokens prefilled so far
     history: list[int] = dataclasses.field(default_factory=list)  # newest ids, for the Engram hash
     pending: int | None = None
@@ -83,10 +95,12 @@ class _Slot:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, n_slots: int = 4, max_queue: int = 64, prefill_budget: int = PREFILL_BUDGET):
-        if n_slots < 1 or max_queue < 0 or prefill_budget < 1:
-            raise ValueError("n_slots and prefill_budget must be >= 1, max_queue >= 0")
+    def __init__(self, engine: Engine, n_slots: int = 4, max_queue: int = 64, prefill_budget: int = PREFILL_BUDGET,
+                 drafter=None, draft_chunk: int = DRAFT_CHUNK):
+        if n_slots < 1 or max_queue < 0 or prefill_budget < 1 or draft_chunk < 1:
+            raise ValueError("n_slots, prefill_budget and draft_chunk must be >= 1, max_queue >= 0")
         self.engine, self.n_slots, self.max_queue, self.prefill_budget = engine, n_slots, max_queue, prefill_budget
+        self.drafter, self.draft_chunk = drafter, draft_chunk  # a DSparkDrafter: each drafted request copies it
         self.stats = SchedulerStats(n_slots=n_slots)
         self._cv = threading.Condition()
         self._waiting: collections.deque[tuple[Handle, float]] = collections.deque()
@@ -109,6 +123,12 @@ class Scheduler:
         session.feed([0] * min(PREFILL_CHUNK + 1, self.engine.max_ctx))  # one scan chunk, then one step
         states = batching.write_slot(batching.init_slots(self.engine.plan, self.n_slots), jnp.int32(0), session.state)
         self._step(states, np.zeros(self.n_slots, np.int32), self._dummy_batch_rows())[0].block_until_ready()
+        if self.drafter is not None:  # the speculative lane's prompt pieces and its device loop
+            from jds41.speculative_loop import speculative_generate
+
+            spec = self._spec_session()
+            first = int(np.argmax(spec.feed([0] * min(PREFILL_CHUNK + 1, self.engine.max_ctx // 2))))
+            speculative_generate(spec, spec.drafter, first, self.draft_chunk + 1)
 
     def start(self) -> None:
         if self._thread is not None:
@@ -162,6 +182,19 @@ class Scheduler:
             self._update_gauges()
             self._cv.notify_all()
         return handle
+
+    def _drafts(self, req: GenRequest) -> bool:
+        """Whether a request takes the speculative lane: greedy, no logprobs (the loop keeps no logits), few stops."""
+        return (self.drafter is not None and req.sampling.temperature == 0 and not req.logprobs
+                and len(req.stop_ids) <= MAX_STOP_IDS)
+
+    def _spec_session(self):
+        """A SpeculativeSession with its own copy of the drafter (shared weights, fresh window rings)."""
+        from jds41.speculative import SpeculativeSession
+
+        drafter = copy.copy(self.drafter)
+        drafter.reset()
+        return SpeculativeSession(self.engine, drafter)
 
     def _validate(self, req: GenRequest) -> None:
         V, ctx = self.engine.vocab_size, self.engine.max_ctx
@@ -234,12 +267,16 @@ class Scheduler:
             if self._slots[i] is None and self._waiting:
                 handle, t_submit = self._waiting.popleft()
                 req = handle.request
+                drafted = self._drafts(req)
                 self._slots[i] = _Slot(handle=handle, limit=min(req.max_tokens, self.engine.max_ctx - len(req.prompt)),
                                        rng=np.random.default_rng(req.sampling.seed), t_submit=t_submit, t_admit=now,
-                                       session=self.engine.session())
+                                       session=self._spec_session() if drafted else self.engine.session())
                 # prefix cache (issue #10): resume from the longest cached prefix, leaving >= 1 token to compute
-                self._slots[i].fed = handle.cached_tokens = self._slots[i].session.restore_prefix(
-                    req.prompt, len(req.prompt) - 1)
+                # (not in the speculative lane: its state has the verify block's ring slack, and its drafter the
+                # features of every prompt position, which a snapshot does not carry)
+                if not drafted:
+                    self._slots[i].fed = handle.cached_tokens = self._slots[i].session.restore_prefix(
+                        req.prompt, len(req.prompt) - 1)
                 self.stats.queue_s.append(now - t_submit)
                 self._update_gauges()
 
@@ -261,19 +298,26 @@ class Scheduler:
                 s.fed += n
                 if s.fed < len(prompt):
                     continue
-                self._states = batching.write_slot(self._states, jnp.int32(i), s.session.state)
+                if self._drafts(s.handle.request):
+                    s.drafted = s.session  # decodes in the speculative lane, from its own state
+                else:
+                    self._states = batching.write_slot(self._states, jnp.int32(i), s.session.state)
             except Exception as e:
                 log.exception("prefill failed for %s", s.handle.id)
                 self._fail(i, f"prefill failed: {e}")
                 continue
-            s.session.save_prefix(logits)  # prefix cache (issue #10): a later turn resumes from this prompt
+            if s.drafted is None:
+                s.session.save_prefix(logits)  # prefix cache (issue #10): a later turn resumes from this prompt
             s.history = s.session.tokens[-self._history_len:] if self._history_len else []
-            s.session = None  # its state now lives in the slot; drop the copy
+            s.session = None  # its state now lives in the slot (or in s.drafted); drop the reference
             self.stats.prompt_tokens_total += len(prompt)
             self._accept_guarded(i, logits)
 
     def _decode(self) -> None:
-        live = [i for i, s in enumerate(self._slots) if s is not None and s.pending is not None]
+        for i, s in enumerate(self._slots):
+            if s is not None and s.pending is not None and s.drafted is not None:
+                self._decode_drafted(i)
+        live = [i for i, s in enumerate(self._slots) if s is not None and s.pending is not None and s.drafted is None]
         if not live:
             return
         tokens = np.zeros(self.n_slots, np.int32)  # free and prefilling slots step a dummy token 0
@@ -292,12 +336,36 @@ class Scheduler:
         except Exception as e:  # the donated state may be gone: fail the slots that lived in it, start afresh
             log.exception("batched step failed")
             for i, s in enumerate(self._slots):
-                if s is not None and s.session is None:
+                if s is not None and s.session is None and s.drafted is None:
                     self._fail(i, f"decode failed: {e}")
             self._states = batching.init_slots(self.engine.plan, self.n_slots)
             return
         for i in live:
             self._accept_guarded(i, logits[i])
+
+    def _decode_drafted(self, i: int) -> None:
+        """Up to draft_chunk tokens of slot i from the DSpark device loop; only this request fails if it fails."""
+        from jds41.speculative_loop import speculative_generate
+
+        s = self._slots[i]
+        spec, stats = s.drafted, s.drafted.stats
+        drafted, accepted = stats.drafted, stats.accepted
+        try:
+            out = speculative_generate(spec, spec.drafter, s.pending, self.draft_chunk + 1, s.handle.request.stop_ids)
+        except Exception as e:
+            log.exception("drafted decode failed for %s", s.handle.id)
+            self._fail(i, f"decode failed: {e}")
+            return
+        self.stats.draft_tokens_total += stats.drafted - drafted
+        self.stats.draft_accepted_total += stats.accepted - accepted
+        if len(out) < 2:  # no room left in the context (the limit normally ends the request first)
+            self._finish(i, "length", time.perf_counter())
+            return
+        s.pending = None
+        for tok in out[1:]:  # every token but the newest was fed; the newest is fed by the next chunk
+            self._emit(i, tok)
+            if self._slots[i] is not s:
+                return
 
     def _step(self, states: dict, tokens: np.ndarray, rows: np.ndarray | None):
         return batching.batched_step(self.engine.plan, self.engine.params, states, jnp.asarray(tokens),
@@ -317,8 +385,12 @@ class Scheduler:
     def _accept(self, i: int, logits: np.ndarray) -> None:
         """Sample slot i's next token from its logits and decide whether the request goes on."""
         s = self._slots[i]
+        self._emit(i, sample(logits, s.handle.request.sampling, s.rng), logits)
+
+    def _emit(self, i: int, tok: int, logits: np.ndarray | None = None) -> None:
+        """Slot i produced `tok`: send it (logprobs from `logits`), or finish on a stop id or the limit."""
+        s = self._slots[i]
         req = s.handle.request
-        tok = sample(logits, req.sampling, s.rng)
         now = time.perf_counter()
         s.generated += 1
         self.stats.generation_tokens_total += 1
@@ -331,7 +403,8 @@ class Scheduler:
         if tok in req.stop_ids:
             self._finish(i, "stop", now)
             return
-        s.handle._put(Token(tok, *_logprobs(logits, tok, req.logprobs)) if req.logprobs else Token(tok))
+        s.handle._put(Token(tok, *_logprobs(logits, tok, req.logprobs)) if req.logprobs and logits is not None
+                      else Token(tok))
         if s.generated >= s.limit:
             self._finish(i, "length", now)
         else:

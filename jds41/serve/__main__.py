@@ -4,7 +4,7 @@
 The port is bound at once and the model loads in the background (/health reports progress). A model that cannot
 be loaded (bad magic, truncated, a tensor out of bounds or misshapen, wrong architecture) ends the process with
 exit status 1 and one line naming the file and the tensor. Arguments that cannot work (a missing file, an unknown
-profile, a draft model before drafts land) end it with status 2 before anything is bound.
+profile, a missing draft file) end it with status 2 before anything is bound.
 
 `--load-delay SECONDS` (hidden) holds the load in its `reading` phase: a test hook that makes the loading state
 observable on a model that loads in a second.
@@ -30,7 +30,8 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
                                  "over an OpenAI-compatible HTTP API.")
     ap.add_argument("model", help="GGUF file (any shard of a split file) or Orbax directory")
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help=f"placement profile (available: {', '.join(PROFILES)})")
-    ap.add_argument("--draft", help="draft model for speculative decoding (not available yet)")
+    ap.add_argument("--draft", help="DSpark draft GGUF ('self': the model's own mtp.* stages): greedy requests "
+                    "without logprobs decode with drafting, token for token as `python -m jds41.generate` does")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--api-key", default=os.environ.get("JDS41_API_KEY"),
@@ -50,8 +51,8 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
         ap.error(f"profile {args.profile!r} is not available for serving yet: the batched step serves all-hbm only "
                  f"(tiered profiles work in `python -m jds41.generate --profile`; available here: "
                  f"{', '.join(PROFILES)})")
-    if args.draft is not None:
-        ap.error("--draft is not available yet: speculative decoding lands in a later release (serve without it)")
+    if args.draft is not None and args.draft != "self" and not os.path.exists(args.draft):
+        ap.error(f"draft file not found: {args.draft}")
     if not os.path.exists(args.model):
         ap.error(f"model file not found: {args.model}")
     if not 0 <= args.port <= 65535:

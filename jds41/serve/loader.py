@@ -118,7 +118,12 @@ class ModelLoader:
         o = self.options
         engine = Engine.open(self.path, max_ctx=o.ctx, prefill_chunk=o.prefill_chunk,
                              prefix_cache_bytes=o.prefix_cache_bytes, prefix_cache_dir=o.prefix_cache_dir)
-        scheduler = Scheduler(engine, n_slots=self.options.slots, max_queue=self.options.max_queue)
+        drafter = None
+        if o.draft is not None:
+            from jds41.speculative import DSparkDrafter
+
+            drafter = DSparkDrafter.open(engine, o.draft)
+        scheduler = Scheduler(engine, n_slots=self.options.slots, max_queue=self.options.max_queue, drafter=drafter)
         if self.options.warmup:
             self.phase = "compiling"  # every program a request runs, so the first client does not wait for XLA
             scheduler.warmup()

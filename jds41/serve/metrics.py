@@ -11,10 +11,11 @@ Prefix cache (issue #10): `prefix_cache_queries` counts prompt tokens looked up 
 `prefix_cache_hits` / `_misses` count requests and `prefix_cache_hit_tokens` the tokens restored; `_evictions`
 and the `prefix_cache_bytes` gauge follow the byte budget. All 0 while the cache is off (--prefix-cache-bytes 0).
 
-Placeholders, exported at 0 so dashboards and alerts can be built now: speculative decoding and the tier metrics
-(expert lookups and hits per tier, SSD bytes, Engram rows, prefetch) until drafts and the tier
-planner land and feed them. The router lean's swaps, back-offs, margin and top-k agreement come from the engine's
-live guard (zeros while the lean is off, as it is under the server's all-hbm placement).
+Placeholders, exported at 0 so dashboards and alerts can be built now: the tier metrics (expert lookups and hits
+per tier, SSD bytes, Engram rows, prefetch) until the server serves tiered placements and feeds them. The
+speculative-decoding counters come from the scheduler's drafted lane (0 without --draft). The router lean's swaps,
+back-offs, margin and top-k agreement come from the engine's live guard (zeros while the lean is off, as it is
+under the server's all-hbm placement).
 """
 
 from __future__ import annotations
@@ -125,12 +126,14 @@ class ServerMetrics:
         yield fam
         for name, h in self.hist.items():
             yield h.family(P + name, HELP[name], self.model_name)
-        # Placeholders (module docstring): the features that feed them have not landed.
         yield from self._prefix_cache()
         yield from self._router_lean()
-        for name, doc in (("spec_decode_num_draft_tokens", "Draft tokens proposed."),
-                          ("spec_decode_num_accepted_tokens", "Draft tokens accepted."),
-                          ("ssd_read_bytes", "Bytes read from the SSD tier."),
+        # speculative lane (serve --draft): 0 without a drafter
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", getattr(stats, "draft_tokens_total", 0))
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      getattr(stats, "draft_accepted_total", 0))
+        # Placeholders (module docstring): the features that feed them have not landed.
+        for name, doc in (("ssd_read_bytes", "Bytes read from the SSD tier."),
                           ("engram_rows_read", "Engram rows read on the host."),
                           ("prefetch_predictions", "Expert prefetch predictions."),
                           ("prefetch_correct", "Expert prefetch predictions that were used.")):
