@@ -67,6 +67,8 @@ class Finished(Event):
     queue_s: float  # submit -> admitted into a slot
     ttft_s: float  # submit -> first token sampled (= e2e_s when no token was)
     e2e_s: float  # submit -> finished
+    draft_tokens: int = 0  # speculative lane (serve --draft): draft tokens proposed for this request, and accepted
+    draft_accepted: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -418,7 +418,9 @@ class Scheduler:
         self.stats.request_success_total[reason] += 1
         if reason != "cancelled":
             self.stats.e2e_s.append(e2e)
-        s.handle._put(Finished(reason, len(s.handle.request.prompt), s.generated, s.t_admit - s.t_submit, ttft, e2e))
+        drafts = s.drafted.stats if s.drafted is not None else None
+        s.handle._put(Finished(reason, len(s.handle.request.prompt), s.generated, s.t_admit - s.t_submit, ttft, e2e,
+                               drafts.drafted if drafts else 0, drafts.accepted if drafts else 0))
 
     def _fail(self, i: int, message: str) -> None:
         s = self._release(i)

@@ -36,6 +36,10 @@ def test_drafted_completion_equals_plain_greedy_decode(tmp_path_factory):
         assert sampled.usage.completion_tokens == 8
         drafted = srv.metric("jds41:spec_decode_num_draft_tokens_total")
         assert drafted > 0 and 0 <= srv.metric("jds41:spec_decode_num_accepted_tokens_total") <= drafted
+        timings = [r.model_extra["timings"] for r in got]  # per request, llama.cpp's draft_n / draft_n_accepted
+        assert all(t["draft_n"] > 0 for t in timings) and sum(t["draft_n"] for t in timings) == drafted
+        assert sum(t["draft_n_accepted"] for t in timings) == srv.metric("jds41:spec_decode_num_accepted_tokens_total")
+        assert sampled.model_extra["timings"]["draft_n"] == 0
     finally:
         srv.stop()
     # and a server without the draft (its batched step agrees with Session.generate to float rounding; on these

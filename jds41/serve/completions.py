@@ -70,6 +70,7 @@ class Generation:
         self.reason: str | None = None
         self.error: str | None = None
         self.queue_s: float | None = None
+        self.drafts = (0, 0)  # (draft tokens, accepted) of a drafted request (serve --draft)
         self.completion_tokens: int | None = None  # the scheduler's count (stop token included) once finished
         self.timings: dict = {}
 
@@ -92,6 +93,7 @@ class Generation:
                         return
                 elif isinstance(ev, Finished):
                     self.queue_s, self.completion_tokens = ev.queue_s, ev.completion_tokens
+                    self.drafts = (ev.draft_tokens, ev.draft_accepted)
                     tail = self.asm.finish()
                     if tail:
                         yield tail
@@ -107,7 +109,7 @@ class Generation:
 
     def _end(self, reason: str) -> None:
         self.reason = None if reason == "abort" and self.error else reason
-        self.timings = self.trace.finish(reason, self.completion_tokens, self.queue_s)
+        self.timings = self.trace.finish(reason, self.completion_tokens, self.queue_s, self.drafts)
 
     def close(self) -> None:
         """The client went away or the handler failed: free the slot and book an abort (no-op after an end)."""

@@ -207,12 +207,13 @@ class RequestTrace:
             self.t_first = time.perf_counter()
         self.n_tokens += 1
 
-    def finish(self, reason: str, completion_tokens: int | None = None, queue_s: float | None = None) -> dict:
+    def finish(self, reason: str, completion_tokens: int | None = None, queue_s: float | None = None,
+               drafts: tuple[int, int] = (0, 0)) -> dict:
         """Book the request (`completion_tokens` from the scheduler when known: it counts the stop token, which
         is never sent as text); returns its timings (llama.cpp's `timings` object plus the queue time)."""
         n = self.n_tokens if completion_tokens is None else completion_tokens
         now = time.perf_counter()
-        timings = self.timings(now, n, queue_s)
+        timings = self.timings(now, n, queue_s, drafts)
         if not self.done:
             self.done = True
             m = self.metrics
@@ -222,7 +223,7 @@ class RequestTrace:
             m.finished[reason] += 1
         return timings
 
-    def timings(self, now: float, n: int, queue_s: float | None) -> dict:
+    def timings(self, now: float, n: int, queue_s: float | None, drafts: tuple[int, int] = (0, 0)) -> dict:
         first = self.t_first if self.t_first is not None else now
         prompt_s = max(first - self.t0 - (queue_s or 0.0), 1e-9)
         decode_s = max(now - first, 1e-9)
@@ -232,4 +233,4 @@ class RequestTrace:
                 "prompt_per_second": round(self.n_prompt / prompt_s, 3),
                 "predicted_n": n, "predicted_ms": round(decode_s * 1e3, 3),
                 "predicted_per_second": round(n_decode / decode_s, 3) if n_decode else 0.0,
-                "draft_n": 0, "draft_n_accepted": 0}
+                "draft_n": drafts[0], "draft_n_accepted": drafts[1]}
