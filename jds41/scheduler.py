@@ -101,6 +101,8 @@ class Scheduler:
             raise ValueError("n_slots, prefill_budget and draft_chunk must be >= 1, max_queue >= 0")
         self.engine, self.n_slots, self.max_queue, self.prefill_budget = engine, n_slots, max_queue, prefill_budget
         self.drafter, self.draft_chunk = drafter, draft_chunk  # a DSparkDrafter: each drafted request copies it
+        if drafter is not None:
+            self._spec_session()  # a drafter whose block does not fit the engine's decode width fails here, at load
         self.stats = SchedulerStats(n_slots=n_slots)
         self._cv = threading.Condition()
         self._waiting: collections.deque[tuple[Handle, float]] = collections.deque()

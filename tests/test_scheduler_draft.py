@@ -14,6 +14,7 @@ from jds41 import scheduler as S
 from jds41.checkpoints.presets import preset
 from jds41.checkpoints.synth import write_synthetic
 from jds41.engine import Engine, SamplingParams
+from jds41.errors import Jds41Error
 from jds41.speculative import DSparkDrafter
 
 CTX = 96
@@ -21,10 +22,17 @@ GREEDY = SamplingParams()
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("schedraft") / "m.gguf"
     write_synthetic(path, preset("deepseek41", "tiny", draft_stages=2), quant="q8", progress=False)
-    return Engine.open(str(path), max_ctx=CTX)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["width1", "width4"])
+def engine(model, request):
+    """Width 1 (token-major verify) and the draft block's width, 3 + 1 (batched verify, `serve --decode-width 4`);
+    plain greedy decode at the same width is the reference."""
+    return Engine.open(model, max_ctx=CTX, decode_width=request.param)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -71,3 +79,10 @@ def test_drafted_requests_equal_plain_greedy_beside_sampled_ones(engine):
     finally:
         sched.stop()
     assert not any(sched._slots) and sched.stats.running == 0
+
+
+@pytest.mark.slow
+def test_a_drafter_that_does_not_fit_the_decode_width_fails_at_load(model):
+    engine = Engine.open(model, max_ctx=CTX, decode_width=3)  # the draft block verifies 4 rows
+    with pytest.raises(Jds41Error, match="decodes at width 3"):
+        S.Scheduler(engine, drafter=DSparkDrafter.open(engine, "self"))

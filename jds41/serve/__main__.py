@@ -44,6 +44,9 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
     ap.add_argument("--prefix-cache-bytes", type=int, default=0,
                     help="host memory for prompt-prefix snapshots, in bytes (default 0 = no prefix cache)")
     ap.add_argument("--prefix-cache-dir", help="also keep prefix snapshots in this directory (survives restarts)")
+    ap.add_argument("--decode-width", type=int, default=1,
+                    help="decode through the W-row batched pass (default 1); with --draft, the draft's block size + 1 "
+                    "verifies each block in one pass (drafted tokens then equal `generate --decode-width W`)")
     ap.add_argument("--load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -59,13 +62,15 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
         ap.error(f"--port {args.port}: expected 0..65535")
     if args.prefix_cache_dir is not None and args.prefix_cache_bytes <= 0:
         ap.error("--prefix-cache-dir needs --prefix-cache-bytes > 0 (the cache's byte budget)")
-    for name, low in (("ctx", 2), ("slots", 1), ("max_queue", 0), ("prefill_chunk", 0), ("prefix_cache_bytes", 0)):
+    for name, low in (("ctx", 2), ("slots", 1), ("max_queue", 0), ("prefill_chunk", 0), ("prefix_cache_bytes", 0),
+                      ("decode_width", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             ap.error(f"--{name.replace('_', '-')} {value}: expected an integer >= {low}")
     return args.model, ServeOptions(host=args.host, port=args.port, api_key=args.api_key or None, ctx=args.ctx,
                                     slots=args.slots, max_queue=args.max_queue, profile=args.profile,
                                     draft=args.draft, load_delay_s=args.load_delay, prefill_chunk=args.prefill_chunk,
+                                    decode_width=args.decode_width,
                                     prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir)
 
 

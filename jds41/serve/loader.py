@@ -116,7 +116,7 @@ class ModelLoader:
         from jds41.scheduler import Scheduler
 
         o = self.options
-        engine = Engine.open(self.path, max_ctx=o.ctx, prefill_chunk=o.prefill_chunk,
+        engine = Engine.open(self.path, max_ctx=o.ctx, prefill_chunk=o.prefill_chunk, decode_width=o.decode_width,
                              prefix_cache_bytes=o.prefix_cache_bytes, prefix_cache_dir=o.prefix_cache_dir)
         drafter = None
         if o.draft is not None:
