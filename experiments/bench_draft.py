@@ -25,8 +25,8 @@ W > 1 plain decode runs the W-row batched pass and every verify block (block siz
 Under a profile the draft tokens' hash-layer experts are prefetched before each verify (tiers.prefetch_tokens, in
 the Engram rows' host call) and their Engram rows are hashed and read ahead of the pass.
 
-Prints one JSON line per (profile, mode) and writes them to $OUT/bench_draft.jsonl when OUT is set. CPU timings
-check the code path only: they are not speed figures (experiments/README.md).
+Prints one JSON line per (profile, mode) and appends each to $OUT/bench_draft.jsonl as it is made, when OUT is
+set. CPU timings check the code path only: they are not speed figures (experiments/README.md).
 
 GPU: python experiments/bench_draft.py MODEL.gguf --draft DRAFT.gguf --profiles none,all-hbm,lucebox,h200 \
          --tokens 256 --prompts 4
@@ -162,7 +162,7 @@ def bench_profile(args, profile: str | None, width: int = 1) -> list[dict]:
         if engine.tiers is not None:
             row["tiers"] = engine.tiers.stats()
         results.append(row)
-        print(json.dumps(row), flush=True)
+        args.emit(row)
     if engine.tiers is not None:
         engine.tiers.close()
     return results
@@ -199,15 +199,22 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"bench": "bench_draft", "meta": True, "commit": _commit(), "machine": platform.node(),
             "devices": [str(d) for d in jax.devices()], "command": " ".join([sys.executable, *sys.argv])}
-    rows = [meta]
-    print(json.dumps(meta), flush=True)
+    out = os.environ.get("OUT")
+    path = os.path.join(out, "bench_draft.jsonl") if out else None
+    if path:
+        open(path, "w").close()
+
+    def emit(row: dict) -> None:  # each line as soon as it exists: a run stopped by a time limit keeps its rows
+        print(json.dumps(row), flush=True)
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    args.emit = emit
+    emit(meta)
     for p in args.profiles.split(","):
         for width in args.widths:
-            rows += bench_profile(args, None if p in ("", "none") else p, width)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_draft.jsonl"), "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+            bench_profile(args, None if p in ("", "none") else p, width)
     return 0
 
 
