@@ -133,7 +133,7 @@ def _first_rows(a_n, width: int):
 
 def _ffn_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_W, tokens_W, live: int | None = None):
     """(FFN output [W, D], routed expert ids [W, K], lean swaps [W]); tiered experts come as the union of the
-    live rows' experts, each moved from its tier once (prefill.union_stack); padding rows compute with row 0's.
+    live rows' experts, each moved from its tier once (prefill.routed_stacks); padding rows compute with row 0's.
     The union is sized for the live rows only (static), so a width-W decode step (one live row) moves and
     returns K experts' rows per layer, as the one-token step does, not W*K."""
     cfg = plan.cfg
@@ -141,9 +141,8 @@ def _ffn_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_W, tokens_W, live: 
     r = jax.vmap(lambda h, t: M.route_layer(plan, lp, w, h, t))(h_W, tokens_W)
     if "routed" in w:
         n = h_W.shape[0] if live is None else live
-        union, valid, pos_LK = PF.expert_union(r.idx_K[:n], w["routed"].tier_E.shape[0])
-        g = PF.union_stack(w["routed"], union, valid)
-        stacks, idx_WK = (g["gate"], g["up"], g["down"]), _first_rows(pos_LK, h_W.shape[0])
+        stacks, idx_LK = PF.routed_stacks(w["routed"], r.idx_K[:n])
+        idx_WK = _first_rows(idx_LK, h_W.shape[0])
     else:
         stacks, idx_WK = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), r.idx_K
     y = jax.vmap(lambda h, i, wt: routed_experts(h, *stacks, i, wt, limit))(h_W, idx_WK, r.weight_K)

@@ -80,9 +80,8 @@ def _ffn_blocks(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict) -> jax.Arr
     limit = cfg.swiglu_limit[lp.index]
     N, W, K = a["idx"].shape
     if "routed" in w:
-        union, valid, pos = PF.expert_union(a["idx"].reshape(N * W, K), w["routed"].tier_E.shape[0])
-        g = PF.union_stack(w["routed"], union, valid)
-        stacks, idx = (g["gate"], g["up"], g["down"]), pos.reshape(N, W, K)
+        stacks, idx = PF.routed_stacks(w["routed"], a["idx"].reshape(N * W, K))
+        idx = idx.reshape(N, W, K)
     else:
         stacks, idx = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), a["idx"]
 

@@ -65,6 +65,25 @@ def test_every_placement_and_cache_size_gives_identical_logits(synthetic_model, 
 
 
 @pytest.mark.slow
+def test_placement_gives_identical_logits_at_a_row_width(synthetic_model):
+    """The same at decode width 4: 32 prompt tokens in eight 4-row blocks (prefill_rows when resident, the
+    layer-major rows pass when tiered) and 8 width-4 decode steps. An all-HBM layer indexes its tier-0 stack
+    directly and a mixed one gathers the union (prefill.routed_stacks): both give the resident bits."""
+    path = synthetic_model("deepseek41", "tiny", "q8")
+    engine = Engine.open(str(path), max_ctx=96, decode_width=4)
+    model = open_model(path)
+    layout = ExpertLayout.from_model(model)
+    tokens = np.random.default_rng(2).integers(8, engine.vocab_size, 40).tolist()
+    want = engine.session().feed(tokens, all_logits=True)
+    for kind in ("all-hbm", "mixed"):
+        with ExpertReader(layout) as reader:
+            stores = build_stores(layout, _placement(engine.cfg, kind), reader, n_slots=4)
+            params = place_experts(load_params(engine.cfg, model), stores, layout)
+            got = engine.with_params(params).session().feed(tokens, all_logits=True)
+            np.testing.assert_array_equal(got, want, err_msg=f"placement {kind} at width 4")
+
+
+@pytest.mark.slow
 def test_ssd_read_error_fails_the_request_cleanly(synthetic_model):
     """EIO from the SSD tier mid-step: the request fails with an error naming the file, layer and expert; no
     wrong token is returned, nothing hangs, and the engine still serves requests that avoid the bad tier."""
