@@ -243,7 +243,8 @@ def profile_json(name: str, arch: str, quant: str, workdir: str) -> str | None:
         doc = load_profile(name.removesuffix("+lean")).to_json()
         if not name.endswith("+lean"):
             doc["router_lean"] = {**doc["router_lean"], "enabled": False, "margin": 0.0}
-        doc["name"] = name = name.replace("+", "-")
+        # a profile JSON path (e.g. a lean margin under study) names its row and file by its file name
+        doc["name"] = name = os.path.basename(name).replace(".json", "").replace("+", "-")
     path = os.path.join(workdir, f"profile-{name}-{arch}-{quant}.json")
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
