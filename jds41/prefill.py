@@ -47,7 +47,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from jds41 import model as M
 from jds41.layers.engram import engram_combine
@@ -57,7 +56,7 @@ from jds41.layers.norm import rms_norm
 from jds41.layers.router import route
 from jds41.layers.rowwise import island
 from jds41.quant import QTensor
-from jds41.tiers.experts import FAILURES, STACKS, TieredLayer, host_rows, prefetch_experts
+from jds41.tiers.experts import FAILURES, STACKS, TieredLayer, host_rows, prefetch_experts, ssd_rows
 
 LAYER_MAJOR_MIN = 64  # the smallest layer-major piece; shorter remainders run token-major (model.prefill/step)
 
@@ -116,10 +115,7 @@ def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict
     on_ssd = tier_U == 2
     ssd = None
     if tl.source is not None:
-        shapes = tuple(jax.ShapeDtypeStruct((U, *tl.hbm[n].data.shape[1:]), tl.hbm[n].data.dtype) for n in STACKS)
-        fetch = _ssd_union_fetch(tl, shapes)
-        ssd = jax.lax.cond(jnp.any(on_ssd), lambda: io_callback(fetch, shapes, union_U, on_ssd),
-                           lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in shapes))
+        ssd = ssd_rows(tl, union_U, on_ssd, functools.partial(_ssd_union_fetch, tl))
     stacks = {}
     for i, n in enumerate(STACKS):
         rows = jnp.take(tl.hbm[n].data, jnp.where(tier_U == 0, local_U, 0), axis=0)

@@ -90,6 +90,48 @@ def host_rows(q: QTensor, local_K: jax.Array, on_host_K: jax.Array | None = None
     return jnp.stack(rows)
 
 
+# Rows of a compact SSD answer. A layer of a decode step rarely streams more than this many of its K experts (lucebox
+# on the full V4.1 shape: about 0.7 per layer), and every row of the answer crosses from pageable host memory into
+# the graph: answering with all K rows (mostly zeros) moved 57 MB per layer where the streamed experts were 10-20.
+SSD_ANSWER_ROWS = 2
+
+
+def stack_shapes(tl: TieredLayer, n: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """Shapes of n raw expert rows of each stack (gate, up, down) in the layer's leaf layout."""
+    return tuple(jax.ShapeDtypeStruct((n, *tl.hbm[s].data.shape[1:]), tl.hbm[s].data.dtype) for s in STACKS)
+
+
+def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array, make_fetch) -> tuple[jax.Array, ...]:
+    """Raw rows [N, out, in] per stack of the entries flagged `on_ssd_N` (others: unspecified), through at most one
+    host call: none when nothing is flagged; one answering with SSD_ANSWER_ROWS rows (the flagged entries first,
+    in order, spread back to their places on the device) when that many suffice; else one answering with all N.
+    `make_fetch(shapes)` gives the host function (idx, mask) -> arrays of `shapes`."""
+    N = idx_N.shape[0]
+    count = jnp.sum(on_ssd_N.astype(jnp.int32))
+
+    def call(idx, mask):
+        shapes = stack_shapes(tl, idx.shape[0])
+        return io_callback(make_fetch(shapes), shapes, idx, mask)
+
+    def none():
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in stack_shapes(tl, N))
+
+    def every():
+        return call(idx_N, on_ssd_N)
+
+    S = min(SSD_ANSWER_ROWS, N - 1)
+    if S < 1:
+        return jax.lax.cond(count > 0, every, none)
+
+    def compact():
+        first = jnp.argsort(~on_ssd_N, stable=True)[:S]  # flagged entries first, in their order
+        rows_S = call(idx_N[first], on_ssd_N[first])
+        rank_N = jnp.clip(jnp.cumsum(on_ssd_N.astype(jnp.int32)) - 1, 0, S - 1)  # flagged entry -> its answer row
+        return tuple(jnp.take(r, rank_N, axis=0) for r in rows_S)
+
+    return jax.lax.switch(jnp.where(count == 0, 0, jnp.where(count <= S, 1, 2)), (none, compact, every))
+
+
 def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True) -> dict[str, QTensor]:
     """For the K selected experts, their quantized rows from whichever tier owns each: stacks [K, out, in].
 
@@ -97,28 +139,24 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
     step (the host answers at once when nothing is flagged), for vmapped steps where a cond cannot hold IO."""
     tier_K = tl.tier_E[idx_K]
     local_K = jnp.where(tier_K == 2, 0, tl.local_E[idx_K])
-    out_shapes = {n: tl.hbm[n] for n in STACKS}
     on_ssd = tier_K == 2
     if tl.source is not None:
-        shapes = tuple(jax.ShapeDtypeStruct((idx_K.shape[0], *out_shapes[n].data.shape[1:]), out_shapes[n].data.dtype)
-                       for n in STACKS)
-
-        def fetch(idx, mask):
-            try:
-                rows = tl.source.fetch(tl.layer, np.asarray(idx), np.asarray(mask))
-            except Exception as e:
-                # XLA reports a failed callback as its own runtime error; keep ours for the engine to re-raise.
-                FAILURES.append(e)
-                raise
-            return tuple(np.asarray(a, dtype=s.dtype).reshape(s.shape) for a, s in zip(rows, shapes))
-
-        def call():
-            return io_callback(fetch, shapes, idx_K, on_ssd)
+        def make_fetch(shapes):
+            def fetch(idx, mask):
+                try:
+                    rows = tl.source.fetch(tl.layer, np.asarray(idx), np.asarray(mask))
+                except Exception as e:
+                    # XLA reports a failed callback as its own runtime error; keep ours for the engine to re-raise.
+                    FAILURES.append(e)
+                    raise
+                return tuple(np.asarray(a, dtype=s.dtype).reshape(s.shape) for a, s in zip(rows, shapes))
+            return fetch
 
         if on_miss_only:
-            ssd = jax.lax.cond(jnp.any(on_ssd), call, lambda: tuple(jnp.zeros(s.shape, s.dtype) for s in shapes))
+            ssd = ssd_rows(tl, idx_K, on_ssd, make_fetch)
         else:
-            ssd = call()
+            shapes = stack_shapes(tl, idx_K.shape[0])
+            ssd = io_callback(make_fetch(shapes), shapes, idx_K, on_ssd)
     selected = {}
     for i, n in enumerate(STACKS):
         rows = jnp.take(tl.hbm[n].data, jnp.where(tier_K == 0, local_K, 0), axis=0)

@@ -304,22 +304,26 @@ class SsdStore(ExpertStore):
     def fetch(self, layer: int, experts: np.ndarray, on_ssd: np.ndarray) -> tuple[np.ndarray, ...]:
         """The `HostExpertSource` call of tiers/experts.py (one host call per layer on an actual miss): the rows of
         the experts flagged `on_ssd` as gate, up, down arrays `[K, out, in]` in the stacks' leaf layout (raw
-        uint8 rows, or native floats for F32/F16/BF16), through the slot cache; unflagged rows are zero."""
+        uint8 rows, or native floats for F32/F16/BF16), through the slot cache; unflagged rows are zero.
+        Each stack is filled in its own contiguous buffer, one copy per row, so handing it to the graph copies
+        nothing more (cutting the stacks out of one [K, slot_bytes] buffer made a strided copy of all K rows)."""
         experts, on_ssd = np.asarray(experts).reshape(-1), np.asarray(on_ssd, bool).reshape(-1)
         at_k = np.flatnonzero(on_ssd)
         keys = self._own([(layer, experts[k]) for k in at_k])
-        out = np.zeros((len(experts), self.slot_bytes), np.uint8)
+        bufs = [np.empty((len(experts), s.expert_bytes), np.uint8) for s in self.proto]
+        for b in bufs:
+            b[~on_ssd] = 0
         if keys:
             slots = self._pin_and_wait(keys, None)
-            try:
-                out[at_k] = self.host[slots]  # copied while pinned: the slots cannot be refilled under us
+            try:  # copied while pinned: the slots cannot be refilled under us
+                at = 0
+                for b, s in zip(bufs, self.proto):
+                    b[at_k] = self.host[slots, at:at + s.expert_bytes]
+                    at += s.expert_bytes
             finally:
                 self.cache.unpin(set(keys))
-        parts, at = [], 0
-        for s in self.proto:
-            parts.append(QTensor.from_raw(out[:, at:at + s.expert_bytes], s.qtype, (len(experts), *s.shape[1:])).data)
-            at += s.expert_bytes
-        return tuple(parts)
+        return tuple(QTensor.from_raw(b, s.qtype, (len(experts), *s.shape[1:])).data
+                     for b, s in zip(bufs, self.proto))
 
     def release(self, keys) -> None:
         self.cache.unpin(set(self._own(keys)))

@@ -1,0 +1,86 @@
+"""The SSD host call of a layer (tiers/experts.ssd_rows): at most one call, and as few rows in its answer as the
+flagged experts need (none, SSD_ANSWER_ROWS, or all of them), with every flagged entry getting its own expert's
+rows back in its own place. The source here is a fake whose rows encode the expert id, so the expected rows are
+known without the code under test; the real SSD store is covered by tests/test_tiers_invariance.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from jds41.quant import QTensor
+from jds41.tiers.experts import SSD_ANSWER_ROWS, STACKS, TieredLayer, select_experts, ssd_rows
+
+E, OUT, IN = 8, 3, 4
+F32 = GGMLQuantizationType.F32
+
+
+def _expert_rows(e: int, stack: int) -> np.ndarray:
+    return np.full((OUT, IN), 100 * stack + e + 1, np.float32)
+
+
+class FakeSource:
+    def __init__(self):
+        self.calls: list[int] = []  # rows asked for, per call
+
+    def fetch(self, layer, experts, on_ssd):
+        self.calls.append(len(experts))
+        return tuple(np.stack([_expert_rows(int(e), i) if m else np.zeros((OUT, IN), np.float32)
+                               for e, m in zip(experts, on_ssd)]) for i in range(len(STACKS)))
+
+
+def _layer(tier_E: np.ndarray, source) -> TieredLayer:
+    hbm_ids = np.flatnonzero(tier_E == 0)
+    local = np.zeros(E, np.int32)
+    local[hbm_ids] = np.arange(len(hbm_ids))
+    hbm = {n: QTensor(jnp.asarray(np.stack([_expert_rows(int(e), i) for e in hbm_ids] or [np.zeros((OUT, IN))])
+                                  .astype(np.float32)), F32, (max(len(hbm_ids), 1), OUT, IN))
+           for i, n in enumerate(STACKS)}
+    dummy = {n: QTensor(jnp.zeros((1, OUT, IN), jnp.float32), F32, (1, OUT, IN)) for n in STACKS}
+    return TieredLayer(hbm=hbm, host=dummy, tier_E=jnp.asarray(tier_E, jnp.int32), local_E=jnp.asarray(local),
+                       lean_margin=jnp.float32(0), layer=0, source=source, has_host=False)
+
+
+def _make_fetch(source):
+    def make(shapes):
+        def fetch(idx, mask):
+            rows = source.fetch(0, np.asarray(idx), np.asarray(mask))
+            return tuple(np.asarray(r, s.dtype).reshape(s.shape) for r, s in zip(rows, shapes))
+        return fetch
+    return make
+
+
+@pytest.mark.parametrize("flags", [[0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0],
+                                   [0, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 1]])
+def test_one_call_with_only_the_rows_the_flagged_experts_need(flags):
+    src = FakeSource()
+    tl = _layer(np.full(E, 2), src)
+    idx = np.array([5, 3, 7, 0, 2, 6], np.int32)
+    on = np.array(flags, bool)
+    rows = jax.jit(lambda i, m: ssd_rows(tl, i, m, _make_fetch(src)))(jnp.asarray(idx), jnp.asarray(on))
+    n = int(on.sum())
+    want_calls = [] if n == 0 else [SSD_ANSWER_ROWS] if n <= SSD_ANSWER_ROWS else [len(idx)]
+    assert src.calls == want_calls
+    for s, r in enumerate(rows):
+        r = np.asarray(r)
+        assert r.shape == (len(idx), OUT, IN)
+        for k in np.flatnonzero(on):
+            np.testing.assert_array_equal(r[k], _expert_rows(int(idx[k]), s), err_msg=f"stack {s}, entry {k}")
+
+
+def test_select_experts_mixes_hbm_and_compact_ssd_rows():
+    """Four HBM experts and four SSD experts; a selection with two SSD experts makes one two-row call, and every
+    selected expert's rows come from where it lives."""
+    tier = np.array([0, 2, 0, 2, 0, 2, 0, 2])
+    src = FakeSource()
+    tl = _layer(tier, src)
+    idx = np.array([4, 3, 0, 6, 7, 2], np.int32)  # SSD experts 3 and 7 at entries 1 and 4
+    sel = jax.jit(lambda i: select_experts(tl, i))(jnp.asarray(idx))
+    assert src.calls == [SSD_ANSWER_ROWS]
+    for s, n in enumerate(STACKS):
+        got = np.asarray(sel[n].data)
+        for k, e in enumerate(idx):
+            np.testing.assert_array_equal(got[k], _expert_rows(int(e), s), err_msg=f"{n}, entry {k}")
