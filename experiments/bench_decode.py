@@ -322,7 +322,8 @@ def _tier_snapshot(engine) -> dict:
     snap = {"lookups": t.lookups.copy(), "bytes": t.bytes.copy(), "tokens": t.tokens, "lean_swaps": t.lean_swaps}
     if t.stores.ssd is not None:
         st = t.stores.ssd.stats
-        snap["slot"] = (st.lookups, st.hits, st.misses, st.bytes, st.stall_s)
+        snap["slot"] = (st.lookups, st.hits, st.misses, st.bytes, st.stall_s, st.host_calls, st.answer_rows,
+                        st.host_call_s)
     src = engine.engram[1] if engine.engram is not None else None
     if src is not None and hasattr(src, "rows_read"):
         snap["engram_rows_read"] = src.rows_read
@@ -401,7 +402,12 @@ def run_profile(path: str, name: str, args, usage_path: str | None, stream: list
         if "slot" in after:
             d = [a - b for a, b in zip(after["slot"], before["slot"])]
             tiers["slot_cache"] = {"lookups": d[0], "hit_rate": round(d[1] / max(d[0], 1), 4),
-                                   "misses": d[2], "stall_s": round(d[4], 3)}
+                                   "misses": d[2], "stall_s": round(d[4], 3),
+                                   # the graph's SSD host calls: how many, how many expert rows they carried in,
+                                   # and the time inside them (reads waited for included), per token
+                                   "host_calls_per_token": round(d[5] / tok, 3),
+                                   "answer_rows_per_token": round(d[6] / tok, 3),
+                                   "host_call_ms_per_token": round(1e3 * d[7] / tok, 3)}
             ssd_miss_bytes = d[3] / tok
         engram_ssd = 0.0
         if "engram_rows_read" in after and engine.tiers.profile.engram_tables == "ssd":

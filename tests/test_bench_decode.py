@@ -44,4 +44,7 @@ def test_bench_decode_runs_and_profiles_agree(tmp_path, capsys):
     assert host["host_share"] == 1.0 and host["bytes_per_token"]["host"] > 0 and runs[2]["bytes_per_token"]["ssd"] == 0
     luce = runs[1]["tiers"]
     assert abs(luce["hbm_share"] + luce["host_share"] + luce["ssd_share"] - 1) < 1e-3
+    sc = luce["slot_cache"]  # at most one SSD host call per layer per step, answering 1 (compact) or K = 2 rows
+    assert sc["host_calls_per_token"] <= 4 and (sc["lookups"] > 0) == (sc["host_calls_per_token"] > 0)
+    assert sc["host_calls_per_token"] <= sc["answer_rows_per_token"] <= 2 * sc["host_calls_per_token"]
     assert runs[0]["routing"]["measured"]["tokens"] == 512

@@ -62,6 +62,7 @@ def test_every_placement_and_cache_size_gives_identical_logits(synthetic_model, 
             if stores.ssd is not None:
                 s = stores.ssd.stats.to_dict()
                 assert s["lookups"] > 0, s  # the SSD tier was really read through the slot cache
+                assert 0 < s["host_calls"] <= s["answer_rows"] and s["host_call_s"] > 0, s
 
 
 @pytest.mark.slow

@@ -25,6 +25,9 @@ class TierStats:
     prefetches: int = 0  # keys whose read a look-ahead started
     prefetch_used: int = 0  # prefetched keys that a later lookup hit before they were evicted
     failures: int = 0  # fills that ended in ExpertReadError
+    host_calls: int = 0  # graph-to-host calls answered (SsdStore.fetch): one per layer that streams an expert
+    answer_rows: int = 0  # expert rows those answers carried into the graph (padding rows included)
+    host_call_s: float = 0.0  # time spent inside those calls, waits for reads included (stall_s is part of it)
 
     @property
     def hit_rate(self) -> float:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
+import time
 from collections.abc import Callable
 
 import jax
@@ -307,6 +308,7 @@ class SsdStore(ExpertStore):
         uint8 rows, or native floats for F32/F16/BF16), through the slot cache; unflagged rows are zero.
         Each stack is filled in its own contiguous buffer, one copy per row, so handing it to the graph copies
         nothing more (cutting the stacks out of one [K, slot_bytes] buffer made a strided copy of all K rows)."""
+        t0 = time.perf_counter()
         experts, on_ssd = np.asarray(experts).reshape(-1), np.asarray(on_ssd, bool).reshape(-1)
         at_k = np.flatnonzero(on_ssd)
         keys = self._own([(layer, experts[k]) for k in at_k])
@@ -322,8 +324,11 @@ class SsdStore(ExpertStore):
                     at += s.expert_bytes
             finally:
                 self.cache.unpin(set(keys))
-        return tuple(QTensor.from_raw(b, s.qtype, (len(experts), *s.shape[1:])).data
-                     for b, s in zip(bufs, self.proto))
+        out = tuple(QTensor.from_raw(b, s.qtype, (len(experts), *s.shape[1:])).data for b, s in zip(bufs, self.proto))
+        self.stats.host_calls += 1
+        self.stats.answer_rows += len(experts)
+        self.stats.host_call_s += time.perf_counter() - t0
+        return out
 
     def release(self, keys) -> None:
         self.cache.unpin(set(self._own(keys)))
