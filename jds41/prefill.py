@@ -56,7 +56,7 @@ from jds41.layers.norm import rms_norm
 from jds41.layers.router import route
 from jds41.layers.rowwise import island
 from jds41.quant import QTensor
-from jds41.tiers.experts import FAILURES, STACKS, TieredLayer, host_rows, prefetch_experts, ssd_rows
+from jds41.tiers.experts import STACKS, TieredLayer, host_rows, prefetch_experts, ssd_rows
 
 LAYER_MAJOR_MIN = 64  # the smallest layer-major piece; shorter remainders run token-major (model.prefill/step)
 
@@ -81,28 +81,6 @@ def plan_pieces(n_tokens: int, chunk: int, min_piece: int | None = None) -> tupl
 
 # ---- the union of a group's experts, brought from their tiers once ---------------------------------------------
 
-def _ssd_union_fetch(tl: TieredLayer, shapes: tuple):
-    """Host side of the one SSD call of a layer: rows of every flagged expert of the union, read through the
-    source in batches no larger than its slot cache (a layer's union may hold more experts than there are
-    slots; each batch is copied out while pinned, so slots are free again for the next)."""
-    def fetch(idx_U, mask_U):
-        idx, at = np.asarray(idx_U), np.flatnonzero(np.asarray(mask_U, bool))
-        out = [np.zeros(s.shape, s.dtype) for s in shapes]
-        slots = getattr(getattr(tl.source, "cache", None), "n_slots", None) or max(len(at), 1)
-        try:
-            for i in range(0, len(at), slots):
-                sub = at[i:i + slots]
-                rows = tl.source.fetch(tl.layer, idx[sub], np.ones(len(sub), bool))
-                for o, r, s in zip(out, rows, shapes):
-                    o[sub] = np.asarray(r, s.dtype).reshape((len(sub), *s.shape[1:]))
-        except Exception as e:
-            FAILURES.append(e)  # the engine re-raises the read error instead of XLA's callback failure
-            raise
-        return tuple(out)
-
-    return fetch
-
-
 def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict[str, QTensor]:
     """Raw rows of the union's experts, [U, out, in] per stack, each from the tier that owns it: one gather from
     the tier-0 stack, one move from the pinned-host stack (tiers/experts.host_rows: one device_put per expert, of
@@ -115,7 +93,7 @@ def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict
     on_ssd = tier_U == 2
     ssd = None
     if tl.source is not None:
-        ssd = ssd_rows(tl, union_U, on_ssd, functools.partial(_ssd_union_fetch, tl))
+        ssd = ssd_rows(tl, union_U, on_ssd)
     stacks = {}
     for i, n in enumerate(STACKS):
         rows = jnp.take(tl.hbm[n].data, jnp.where(tier_U == 0, local_U, 0), axis=0)

@@ -44,15 +44,6 @@ def _layer(tier_E: np.ndarray, source) -> TieredLayer:
                        lean_margin=jnp.float32(0), layer=0, source=source, has_host=False)
 
 
-def _make_fetch(source):
-    def make(shapes):
-        def fetch(idx, mask):
-            rows = source.fetch(0, np.asarray(idx), np.asarray(mask))
-            return tuple(np.asarray(r, s.dtype).reshape(s.shape) for r, s in zip(rows, shapes))
-        return fetch
-    return make
-
-
 @pytest.mark.parametrize("flags", [[0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0],
                                    [0, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 1]])
 def test_one_call_with_only_the_rows_the_flagged_experts_need(flags):
@@ -60,7 +51,7 @@ def test_one_call_with_only_the_rows_the_flagged_experts_need(flags):
     tl = _layer(np.full(E, 2), src)
     idx = np.array([5, 3, 7, 0, 2, 6], np.int32)
     on = np.array(flags, bool)
-    rows = jax.jit(lambda i, m: ssd_rows(tl, i, m, _make_fetch(src)))(jnp.asarray(idx), jnp.asarray(on))
+    rows = jax.jit(lambda i, m: ssd_rows(tl, i, m))(jnp.asarray(idx), jnp.asarray(on))
     n = int(on.sum())
     want_calls = [] if n == 0 else [SSD_ANSWER_ROWS] if n <= SSD_ANSWER_ROWS else [len(idx)]
     assert src.calls == want_calls

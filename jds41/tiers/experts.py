@@ -101,17 +101,45 @@ def stack_shapes(tl: TieredLayer, n: int) -> tuple[jax.ShapeDtypeStruct, ...]:
     return tuple(jax.ShapeDtypeStruct((n, *tl.hbm[s].data.shape[1:]), tl.hbm[s].data.dtype) for s in STACKS)
 
 
-def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array, make_fetch) -> tuple[jax.Array, ...]:
+def source_fetch(tl: TieredLayer, shapes: tuple):
+    """Host side of a layer's SSD call, answering with arrays of `shapes`: the rows of every flagged entry, read
+    through the source in batches no larger than its slot cache (a prefill union may flag more experts than there
+    are slots; each batch is copied out while pinned, so its slots are free for the next). One batch, the decode
+    case, hands the source's arrays over as they are."""
+    def fetch(idx_N, mask_N):
+        idx, mask = np.asarray(idx_N), np.asarray(mask_N, bool)
+        at = np.flatnonzero(mask)
+        slots = getattr(getattr(tl.source, "cache", None), "n_slots", None) or max(len(at), 1)
+        try:
+            if len(at) <= slots:
+                rows = tl.source.fetch(tl.layer, idx, mask)
+                return tuple(np.asarray(r, s.dtype).reshape(s.shape) for r, s in zip(rows, shapes))
+            out = [np.zeros(s.shape, s.dtype) for s in shapes]
+            for i in range(0, len(at), slots):
+                sub = at[i:i + slots]
+                rows = tl.source.fetch(tl.layer, idx[sub], np.ones(len(sub), bool))
+                for o, r, s in zip(out, rows, shapes):
+                    o[sub] = np.asarray(r, s.dtype).reshape((len(sub), *s.shape[1:]))
+            return tuple(out)
+        except Exception as e:
+            # XLA reports a failed callback as its own runtime error; keep ours for the engine to re-raise.
+            FAILURES.append(e)
+            raise
+
+    return fetch
+
+
+def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array) -> tuple[jax.Array, ...]:
     """Raw rows [N, out, in] per stack of the entries flagged `on_ssd_N` (others: unspecified), through at most one
-    host call: none when nothing is flagged; one answering with SSD_ANSWER_ROWS rows (the flagged entries first,
-    in order, spread back to their places on the device) when that many suffice; else one answering with all N.
-    `make_fetch(shapes)` gives the host function (idx, mask) -> arrays of `shapes`."""
+    host call (`source_fetch`): none when nothing is flagged; one answering with SSD_ANSWER_ROWS rows (the flagged
+    entries first, in order, spread back to their places on the device) when that many suffice; else one
+    answering with all N."""
     N = idx_N.shape[0]
     count = jnp.sum(on_ssd_N.astype(jnp.int32))
 
     def call(idx, mask):
         shapes = stack_shapes(tl, idx.shape[0])
-        return io_callback(make_fetch(shapes), shapes, idx, mask)
+        return io_callback(source_fetch(tl, shapes), shapes, idx, mask)
 
     def none():
         return tuple(jnp.zeros(s.shape, s.dtype) for s in stack_shapes(tl, N))
@@ -141,22 +169,11 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
     local_K = jnp.where(tier_K == 2, 0, tl.local_E[idx_K])
     on_ssd = tier_K == 2
     if tl.source is not None:
-        def make_fetch(shapes):
-            def fetch(idx, mask):
-                try:
-                    rows = tl.source.fetch(tl.layer, np.asarray(idx), np.asarray(mask))
-                except Exception as e:
-                    # XLA reports a failed callback as its own runtime error; keep ours for the engine to re-raise.
-                    FAILURES.append(e)
-                    raise
-                return tuple(np.asarray(a, dtype=s.dtype).reshape(s.shape) for a, s in zip(rows, shapes))
-            return fetch
-
         if on_miss_only:
-            ssd = ssd_rows(tl, idx_K, on_ssd, make_fetch)
+            ssd = ssd_rows(tl, idx_K, on_ssd)
         else:
             shapes = stack_shapes(tl, idx_K.shape[0])
-            ssd = io_callback(make_fetch(shapes), shapes, idx_K, on_ssd)
+            ssd = io_callback(source_fetch(tl, shapes), shapes, idx_K, on_ssd)
     selected = {}
     for i, n in enumerate(STACKS):
         rows = jnp.take(tl.hbm[n].data, jnp.where(tier_K == 0, local_K, 0), axis=0)
