@@ -1,5 +1,5 @@
 """The SSD host call of a layer (tiers/experts.ssd_rows): at most one call, and as few rows in its answer as the
-flagged experts need (none, SSD_ANSWER_ROWS, or all of them), with every flagged entry getting its own expert's
+flagged experts need (none, 1, 2, or all of them), with every flagged entry getting its own expert's
 rows back in its own place. The source here is a fake whose rows encode the expert id, so the expected rows are
 known without the code under test; the real SSD store is covered by tests/test_tiers_invariance.py."""
 
@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from jds41.quant import QTensor
-from jds41.tiers.experts import SSD_ANSWER_ROWS, STACKS, TieredLayer, select_experts, ssd_rows
+from jds41.tiers.experts import STACKS, TieredLayer, select_experts, ssd_rows
 
 E, OUT, IN = 8, 3, 4
 F32 = GGMLQuantizationType.F32
@@ -53,7 +53,7 @@ def test_one_call_with_only_the_rows_the_flagged_experts_need(flags):
     on = np.array(flags, bool)
     rows = jax.jit(lambda i, m: ssd_rows(tl, i, m))(jnp.asarray(idx), jnp.asarray(on))
     n = int(on.sum())
-    want_calls = [] if n == 0 else [SSD_ANSWER_ROWS] if n <= SSD_ANSWER_ROWS else [len(idx)]
+    want_calls = {0: [], 1: [1], 2: [2]}.get(n, [len(idx)])  # the compact sizes are (1, 2)
     assert src.calls == want_calls
     for s, r in enumerate(rows):
         r = np.asarray(r)
@@ -70,7 +70,7 @@ def test_select_experts_mixes_hbm_and_compact_ssd_rows():
     tl = _layer(tier, src)
     idx = np.array([4, 3, 0, 6, 7, 2], np.int32)  # SSD experts 3 and 7 at entries 1 and 4
     sel = jax.jit(lambda i: select_experts(tl, i))(jnp.asarray(idx))
-    assert src.calls == [SSD_ANSWER_ROWS]
+    assert src.calls == [2]
     for s, n in enumerate(STACKS):
         got = np.asarray(sel[n].data)
         for k, e in enumerate(idx):

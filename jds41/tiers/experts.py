@@ -90,10 +90,11 @@ def host_rows(q: QTensor, local_K: jax.Array, on_host_K: jax.Array | None = None
     return jnp.stack(rows)
 
 
-# Rows of a compact SSD answer. A layer of a decode step rarely streams more than this many of its K experts (lucebox
-# on the full V4.1 shape: about 0.7 per layer), and every row of the answer crosses from pageable host memory into
-# the graph: answering with all K rows (mostly zeros) moved 57 MB per layer where the streamed experts were 10-20.
-SSD_ANSWER_ROWS = 2
+# Row counts of a compact SSD answer, smallest first: a call answers with the first of these that holds its flagged
+# experts, else with all N rows. A layer of a decode step rarely streams more than two of its K experts (lucebox on
+# the full V4.1 shape: 1.4 per call), and every row of the answer crosses from pageable host memory into the graph:
+# answering with all K rows (mostly zeros) moved 57 MB per layer where the streamed experts were 10-20.
+SSD_ANSWER_ROWS = (1, 2)
 
 
 def stack_shapes(tl: TieredLayer, n: int) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -131,9 +132,9 @@ def source_fetch(tl: TieredLayer, shapes: tuple):
 
 def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array) -> tuple[jax.Array, ...]:
     """Raw rows [N, out, in] per stack of the entries flagged `on_ssd_N` (others: unspecified), through at most one
-    host call (`source_fetch`): none when nothing is flagged; one answering with SSD_ANSWER_ROWS rows (the flagged
-    entries first, in order, spread back to their places on the device) when that many suffice; else one
-    answering with all N."""
+    host call (`source_fetch`): none when nothing is flagged; the
+    smallest compact size that holds the flagged entries (they go first, in order, and are spread back to their
+    places on the device); else all N."""
     N = idx_N.shape[0]
     count = jnp.sum(on_ssd_N.astype(jnp.int32))
 
@@ -147,17 +148,19 @@ def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array) -> tuple[ja
     def every():
         return call(idx_N, on_ssd_N)
 
-    S = min(SSD_ANSWER_ROWS, N - 1)
-    if S < 1:
-        return jax.lax.cond(count > 0, every, none)
+    def compact(S):
+        def branch():
+            first = jnp.argsort(~on_ssd_N, stable=True)[:S]  # flagged entries first, in their order
+            rows_S = call(idx_N[first], on_ssd_N[first])
+            rank_N = jnp.clip(jnp.cumsum(on_ssd_N.astype(jnp.int32)) - 1, 0, S - 1)  # flagged entry -> answer row
+            return tuple(jnp.take(r, rank_N, axis=0) for r in rows_S)
+        return branch
 
-    def compact():
-        first = jnp.argsort(~on_ssd_N, stable=True)[:S]  # flagged entries first, in their order
-        rows_S = call(idx_N[first], on_ssd_N[first])
-        rank_N = jnp.clip(jnp.cumsum(on_ssd_N.astype(jnp.int32)) - 1, 0, S - 1)  # flagged entry -> its answer row
-        return tuple(jnp.take(r, rank_N, axis=0) for r in rows_S)
-
-    return jax.lax.switch(jnp.where(count == 0, 0, jnp.where(count <= S, 1, 2)), (none, compact, every))
+    sizes = [S for S in SSD_ANSWER_ROWS if S < N]
+    branches = [none] + [compact(S) for S in sizes] + [every]
+    # Branch b (1 <= b <= len(sizes)) answers with sizes[b - 1] rows: the number of sizes below `count`, plus one.
+    which = jnp.where(count == 0, 0, 1 + sum((count > S).astype(jnp.int32) for S in sizes))
+    return jax.lax.switch(which, branches)
 
 
 def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True) -> dict[str, QTensor]:
