@@ -56,7 +56,7 @@ from jds41.layers.norm import rms_norm
 from jds41.layers.router import route
 from jds41.layers.rowwise import island
 from jds41.quant import QTensor
-from jds41.tiers.experts import STACKS, TieredLayer, host_rows, prefetch_experts, ssd_rows
+from jds41.tiers.experts import STACKS, TieredLayer, host_rows, host_selected_rows, prefetch_experts, ssd_rows
 
 LAYER_MAJOR_MIN = 64  # the smallest layer-major piece; shorter remainders run token-major (model.prefill/step)
 
@@ -83,10 +83,10 @@ def plan_pieces(n_tokens: int, chunk: int, min_piece: int | None = None) -> tupl
 
 def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict[str, QTensor]:
     """Raw rows of the union's experts, [U, out, in] per stack, each from the tier that owns it: one gather from
-    the tier-0 stack, one move from the pinned-host stack (tiers/experts.host_rows: one device_put per expert, of
-    the whole stack when the union could cover it, else of each union entry the host owns), one host call for the
-    SSD experts (made only when the union has one). Every move depends on the layer's routing, so layers move in
-    turn."""
+    the tier-0 stack, one move from the pinned-host stack (one device_put per expert: of the whole stack when the
+    union could cover it, else of the union entries the host owns, tiers/experts.host_selected_rows), one host
+    call for the SSD experts (made only when the union has one). Every move depends on the layer's routing, so
+    layers move in turn."""
     U = union_U.shape[0]
     tier_U = jnp.where(valid_U, tl.tier_E[union_U], -1)
     local_U = tl.local_E[union_U]
@@ -94,20 +94,21 @@ def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict
     ssd = None
     if tl.source is not None:
         ssd = ssd_rows(tl, union_U, on_ssd)
+    if tl.has_host:
+        host_local = jnp.where(tier_U == 1, local_U, 0)
+        n_host = tl.host[STACKS[0]].data.shape[0]
+        if U >= n_host:  # the union may need every host expert: move the stack once, expert by expert
+            # The barrier ties the move to this layer's routing: without it XLA may start every layer's
+            # transfer at once (they depend on no data), holding all layers' host stacks on the device.
+            every, _ = island((jnp.arange(n_host, dtype=jnp.int32), union_U))
+            host = tuple(jnp.take(host_rows(tl.host[n], every), host_local, axis=0) for n in STACKS)
+        else:  # only the entries the host owns: a verify or decode-width union is mostly padding and HBM rows
+            host = host_selected_rows(tl, host_local, tier_U == 1)
     stacks = {}
     for i, n in enumerate(STACKS):
         rows = jnp.take(tl.hbm[n].data, jnp.where(tier_U == 0, local_U, 0), axis=0)
         if tl.has_host:
-            host_local = jnp.where(tier_U == 1, local_U, 0)
-            n_host = tl.host[n].data.shape[0]
-            if U >= n_host:  # the union may need every host expert: move the stack once, expert by expert
-                # The barrier ties the move to this layer's routing: without it XLA may start every layer's
-                # transfer at once (they depend on no data), holding all layers' host stacks on the device.
-                every, _ = island((jnp.arange(n_host, dtype=jnp.int32), union_U))
-                host = jnp.take(host_rows(tl.host[n], every), host_local, axis=0)
-            else:  # only the entries the host owns: a verify or decode-width union is mostly padding and HBM rows
-                host = host_rows(tl.host[n], host_local, tier_U == 1)
-            rows = jnp.where((tier_U == 1)[:, None, None], host, rows)
+            rows = jnp.where((tier_U == 1)[:, None, None], host[i], rows)
         if ssd is not None:
             rows = jnp.where(on_ssd[:, None, None], ssd[i], rows)
         ref = tl.hbm[n]

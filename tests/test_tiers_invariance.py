@@ -76,10 +76,11 @@ def test_placement_gives_identical_logits_at_a_row_width(synthetic_model):
     layout = ExpertLayout.from_model(model)
     tokens = np.random.default_rng(2).integers(8, engine.vocab_size, 40).tolist()
     want = engine.session().feed(tokens, all_logits=True)
-    for kind in ("all-hbm", "mixed"):
+    for kind in ("all-hbm", "mixed", "mixed-selected"):
+        host_fetch = "selected" if kind.endswith("-selected") else "all"  # the union's host rows in compact moves
         with ExpertReader(layout) as reader:
-            stores = build_stores(layout, _placement(engine.cfg, kind), reader, n_slots=4)
-            params = place_experts(load_params(engine.cfg, model), stores, layout)
+            stores = build_stores(layout, _placement(engine.cfg, kind.removesuffix("-selected")), reader, n_slots=4)
+            params = place_experts(load_params(engine.cfg, model), stores, layout, host_fetch)
             got = engine.with_params(params).session().feed(tokens, all_logits=True)
             np.testing.assert_array_equal(got, want, err_msg=f"placement {kind} at width 4")
 

@@ -1,9 +1,12 @@
 """The SSD host call of a layer (tiers/experts.ssd_rows): at most one call, and as few rows in its answer as the
-flagged experts need (none, 1, 2, or all of them), with every flagged entry getting its own expert's
-rows back in its own place. The source here is a fake whose rows encode the expert id, so the expected rows are
-known without the code under test; the real SSD store is covered by tests/test_tiers_invariance.py."""
+flagged experts need (none, 1, 2, or all of them), with every flagged entry getting its own expert's rows back in
+its own place; and the same for the pinned-host tier's compact moves (host_selected_rows). The sources here are
+fakes whose rows encode the expert id, so the expected rows are known without the code under test; the real SSD
+store is covered by tests/test_tiers_invariance.py."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from jds41.quant import QTensor
-from jds41.tiers.experts import STACKS, TieredLayer, select_experts, ssd_rows
+from jds41.tiers.experts import STACKS, TieredLayer, host_selected_rows, select_experts, ssd_rows
 
 E, OUT, IN = 8, 3, 4
 F32 = GGMLQuantizationType.F32
@@ -75,3 +78,29 @@ def test_select_experts_mixes_hbm_and_compact_ssd_rows():
         got = np.asarray(sel[n].data)
         for k, e in enumerate(idx):
             np.testing.assert_array_equal(got[k], _expert_rows(int(e), s), err_msg=f"{n}, entry {k}")
+
+
+@pytest.mark.parametrize("n_host", [0, 1, 2, 3, 5, 6])
+def test_host_tier_moves_give_each_flagged_entry_its_expert(n_host):
+    """Host-only layer (every expert in the pinned-host stack, whose rows encode the expert id): whatever the number
+    of host entries among the K = 6 (it picks the move of 1, 2, 4 or all 6 rows), each gets its own expert's rows,
+    at decode (select_experts) and in the union form (host_selected_rows)."""
+    host_ids = np.arange(E)[::-1]  # host row r holds expert E - 1 - r: local index != expert id
+    local = np.empty(E, np.int32)
+    local[host_ids] = np.arange(E)
+    host = {n: QTensor(jnp.asarray(np.stack([_expert_rows(int(e), i) for e in host_ids])), F32, (E, OUT, IN))
+            for i, n in enumerate(STACKS)}
+    tier = np.zeros(E, np.int32)
+    idx = np.array([5, 3, 7, 0, 2, 6], np.int32)
+    tier[idx[:n_host]] = 1
+    tl = _layer(tier, None)
+    tl = dataclasses.replace(tl, host=host, local_E=jnp.asarray(np.where(tier == 1, local, np.asarray(tl.local_E))),
+                             has_host=True, host_fetch="selected")
+    sel = jax.jit(lambda i: select_experts(tl, i))(jnp.asarray(idx))
+    on_host = jnp.asarray(tier[idx] == 1)
+    moved = jax.jit(lambda loc, f: host_selected_rows(tl, loc, f))(jnp.asarray(local[idx]), on_host)
+    for s, n in enumerate(STACKS):
+        for k, e in enumerate(idx):
+            np.testing.assert_array_equal(np.asarray(sel[n].data)[k], _expert_rows(int(e), s), err_msg=f"{n}, {k}")
+            if tier[e] == 1:
+                np.testing.assert_array_equal(np.asarray(moved[s])[k], _expert_rows(int(e), s), err_msg=f"{n} {k}")

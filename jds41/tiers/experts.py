@@ -65,29 +65,56 @@ jax.tree_util.register_dataclass(TieredLayer, data_fields=["hbm", "host", "tier_
                                  meta_fields=["layer", "source", "has_host", "host_fetch"])
 
 
-def host_rows(q: QTensor, local_K: jax.Array, on_host_K: jax.Array | None = None) -> jax.Array:
-    """The selected experts' rows from a pinned-host stack, moved to the device.
+def host_rows(q: QTensor, local_N: jax.Array) -> jax.Array:
+    """Rows `local_N` of a pinned-host stack, moved to the device.
 
     Each expert is a dynamic index into the WHOLE host array followed by a device_put: DESIGN.md §7 measured this at
     ~48 GB/s on the GPU box, while gathering with a host-side index vector became slow host compute.
-    `on_host_K` (bool [K]): move only those rows (a lax.cond around each transfer); the others come back as zeros
-    made on the device. None moves all K.
     """
     data = q.data
-
-    def move(k):
-        return jax.device_put(jax.lax.dynamic_index_in_dim(data, local_K[k], 0, keepdims=False),
-                              jax.memory.Space.Device)
-
     # device_put each expert on its own: stacking them first would be an op on host memory, which XLA turns into
     # slow host compute (seen on the H200: 23 GB/s instead of ~48).
-    if on_host_K is None:
-        rows = [move(k) for k in range(local_K.shape[0])]
-    else:
-        shape = data.shape[1:]
-        rows = [jax.lax.cond(on_host_K[k], lambda k=k: move(k), lambda: jnp.zeros(shape, data.dtype))
-                for k in range(local_K.shape[0])]
-    return jnp.stack(rows)
+    return jnp.stack([jax.device_put(jax.lax.dynamic_index_in_dim(data, local_N[k], 0, keepdims=False),
+                                     jax.memory.Space.Device) for k in range(local_N.shape[0])])
+
+
+def flagged_rows(flag_N: jax.Array, sizes, take, zeros) -> tuple[jax.Array, ...]:
+    """Arrays [N, ...] holding, at each flagged entry, its rows from `take(positions [S]) -> arrays [S, ...]`
+    (other entries: unspecified), through ONE branch of a lax.switch on the flagged count: `zeros()` when none is
+    flagged; the smallest S of `sizes` that holds them (the flagged entries go first, in order, and are spread back
+    to their places on the device); else take(all N). One branch per layer, not one per entry: on the GPU each
+    conditional waits for its predicate on the host, and a per-entry cond made the h200 step 3.6 ms slower than
+    all-HBM for 1.2 host experts per token."""
+    N = flag_N.shape[0]
+    count = jnp.sum(flag_N.astype(jnp.int32))
+
+    def compact(S):
+        def branch():
+            rows_S = take(jnp.argsort(~flag_N, stable=True)[:S])  # flagged entries first, in their order
+            rank_N = jnp.clip(jnp.cumsum(flag_N.astype(jnp.int32)) - 1, 0, S - 1)  # flagged entry -> its row
+            return tuple(jnp.take(r, rank_N, axis=0) for r in rows_S)
+        return branch
+
+    sizes = [S for S in sizes if S < N]
+    branches = [zeros] + [compact(S) for S in sizes] + [lambda: tuple(take(jnp.arange(N)))]
+    # Branch b (1 <= b <= len(sizes)) answers with sizes[b - 1] rows: the number of sizes below `count`, plus one.
+    which = jnp.where(count == 0, 0, 1 + sum((count > S).astype(jnp.int32) for S in sizes))
+    return jax.lax.switch(which, branches)
+
+
+def host_selected_rows(tl: TieredLayer, local_N: jax.Array, on_host_N: jax.Array) -> tuple[jax.Array, ...]:
+    """Per stack, rows [N, out, in] holding the pinned-host rows of the entries flagged `on_host_N` (others:
+    unspecified): only the flagged experts cross PCIe, in moves of 1, 2, 4, ... rows (`flagged_rows`)."""
+    N = local_N.shape[0]
+    sizes = [1 << i for i in range(max(N - 1, 1).bit_length())]
+
+    def take(pos):
+        return tuple(host_rows(tl.host[n], local_N[pos]) for n in STACKS)
+
+    def zeros():
+        return tuple(jnp.zeros((N, *tl.host[n].data.shape[1:]), tl.host[n].data.dtype) for n in STACKS)
+
+    return flagged_rows(on_host_N, sizes, take, zeros)
 
 
 # Row counts of a compact SSD answer, smallest first: a call answers with the first of these that holds its flagged
@@ -132,35 +159,16 @@ def source_fetch(tl: TieredLayer, shapes: tuple):
 
 def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array) -> tuple[jax.Array, ...]:
     """Raw rows [N, out, in] per stack of the entries flagged `on_ssd_N` (others: unspecified), through at most one
-    host call (`source_fetch`): none when nothing is flagged; the
-    smallest compact size that holds the flagged entries (they go first, in order, and are spread back to their
-    places on the device); else all N."""
-    N = idx_N.shape[0]
-    count = jnp.sum(on_ssd_N.astype(jnp.int32))
+    host call (`source_fetch`): none when nothing is flagged, else one answering with the smallest of
+    SSD_ANSWER_ROWS rows that holds the flagged entries, or with all N (`flagged_rows`)."""
+    def take(pos):
+        shapes = stack_shapes(tl, pos.shape[0])
+        return io_callback(source_fetch(tl, shapes), shapes, idx_N[pos], on_ssd_N[pos])
 
-    def call(idx, mask):
-        shapes = stack_shapes(tl, idx.shape[0])
-        return io_callback(source_fetch(tl, shapes), shapes, idx, mask)
+    def zeros():
+        return tuple(jnp.zeros(s.shape, s.dtype) for s in stack_shapes(tl, idx_N.shape[0]))
 
-    def none():
-        return tuple(jnp.zeros(s.shape, s.dtype) for s in stack_shapes(tl, N))
-
-    def every():
-        return call(idx_N, on_ssd_N)
-
-    def compact(S):
-        def branch():
-            first = jnp.argsort(~on_ssd_N, stable=True)[:S]  # flagged entries first, in their order
-            rows_S = call(idx_N[first], on_ssd_N[first])
-            rank_N = jnp.clip(jnp.cumsum(on_ssd_N.astype(jnp.int32)) - 1, 0, S - 1)  # flagged entry -> answer row
-            return tuple(jnp.take(r, rank_N, axis=0) for r in rows_S)
-        return branch
-
-    sizes = [S for S in SSD_ANSWER_ROWS if S < N]
-    branches = [none] + [compact(S) for S in sizes] + [every]
-    # Branch b (1 <= b <= len(sizes)) answers with sizes[b - 1] rows: the number of sizes below `count`, plus one.
-    which = jnp.where(count == 0, 0, 1 + sum((count > S).astype(jnp.int32) for S in sizes))
-    return jax.lax.switch(which, branches)
+    return flagged_rows(on_ssd_N, SSD_ANSWER_ROWS, take, zeros)
 
 
 def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True) -> dict[str, QTensor]:
@@ -177,13 +185,15 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
         else:
             shapes = stack_shapes(tl, idx_K.shape[0])
             ssd = io_callback(source_fetch(tl, shapes), shapes, idx_K, on_ssd)
+    if tl.has_host:  # each moved host row crosses PCIe: skip it where the layer has no tier-1 expert
+        host_local = jnp.where(tier_K == 1, local_K, 0)
+        host = (host_selected_rows(tl, host_local, tier_K == 1) if tl.host_fetch == "selected"
+                else tuple(host_rows(tl.host[n], host_local) for n in STACKS))
     selected = {}
     for i, n in enumerate(STACKS):
         rows = jnp.take(tl.hbm[n].data, jnp.where(tier_K == 0, local_K, 0), axis=0)
-        if tl.has_host:  # each gathered host row crosses PCIe: skip it where the layer has no tier-1 expert
-            host = host_rows(tl.host[n], jnp.where(tier_K == 1, local_K, 0),
-                             tier_K == 1 if tl.host_fetch == "selected" else None)
-            rows = jnp.where((tier_K == 1)[:, None, None], host, rows)
+        if tl.has_host:
+            rows = jnp.where((tier_K == 1)[:, None, None], host[i], rows)
         if tl.source is not None:
             rows = jnp.where(on_ssd[:, None, None], ssd[i], rows)
         ref = tl.hbm[n]
