@@ -24,7 +24,7 @@ What it does, in order:
    measured bandwidths; roofline tok/s = 1 / max(time per resource) (perfect overlap), the no-overlap bound beside.
    `ratio` = measured / roofline.
 
-Profiles (`NAME+selected`: the same with `host_fetch: "selected"`):
+Profiles (`NAME+all` / `NAME+selected`: the same with that `host_fetch`):
 `plain` (no profile: the model's own stacks, the reference path of #3), shipped names (`all-hbm`,
 `lucebox`, `ssd-heavy`), `h200` (the shipped profile's budgets resolved for the FULL model of this architecture and
 applied as fractions, so an N-layer file gets the full model's split), `all-host` (every routed expert in pinned host
@@ -203,14 +203,15 @@ def full_model_bytes(arch: str, quant: str) -> dict:
 
 def profile_json(name: str, arch: str, quant: str, workdir: str) -> str | None:
     """A profile argument for Engine.open: None (plain), a shipped name, or a JSON file written here. A name ending
-    in `+selected` is that profile with `host_fetch: "selected"` (move only the selected host experts)."""
+    in `+all` or `+selected` is that profile with that `host_fetch` (K host rows per layer, or only the selected)."""
     if name == "plain":
         return None
-    if name.endswith("+selected"):
+    fetch = next((f for f in ("all", "selected") if name.endswith("+" + f)), None)
+    if fetch:
         from jds41.tiers.profiles import load_profile
 
-        base = profile_json(name.removesuffix("+selected"), arch, quant, workdir)
-        doc = {**load_profile(base).to_json(), "host_fetch": "selected"}
+        base = profile_json(name.removesuffix("+" + fetch), arch, quant, workdir)
+        doc = {**load_profile(base).to_json(), "host_fetch": fetch}
         doc["name"] = name.replace("+", "-")
         path = os.path.join(workdir, f"profile-{doc['name']}-{arch}-{quant}.json")
         with open(path, "w") as fh:

@@ -58,7 +58,7 @@ class TieredLayer:
     layer: int
     source: HostExpertSource | None = None  # None when nothing of this layer is on the SSD
     has_host: bool = True  # False: no tier-1 expert in this layer, so the graph moves no host rows at all
-    host_fetch: str = "all"  # "selected": move only the selected host experts (Profile.host_fetch)
+    host_fetch: str = "selected"  # or "all": K host rows per layer with no branch (Profile.host_fetch)
 
 
 jax.tree_util.register_dataclass(TieredLayer, data_fields=["hbm", "host", "tier_E", "local_E", "lean_margin"],
@@ -214,7 +214,7 @@ def prefetch_experts(tl: TieredLayer, guess_K: jax.Array) -> None:
     io_callback(start, None, guess_K, on_ssd, ordered=False)
 
 
-def place_experts(params: dict, stores, layout, host_fetch: str = "all", lean_margin: float = 0.0) -> dict:
+def place_experts(params: dict, stores, layout, host_fetch: str = "selected", lean_margin: float = 0.0) -> dict:
     """`params` with each placed layer's routed stacks replaced by a `TieredLayer` (key "routed") built from the
     stores of a placement (jds41.tiers.stores.build_stores): tier-0 and tier-1 stacks, the tier table, and the
     SSD store as the host source of layers that have experts on the SSD."""
