@@ -211,6 +211,7 @@ def test_lucebox_fractions_match_the_documented_v41_derivation():
     ({"host_fetch": "some"}, "'host_fetch'"),
     ({"placement_source": "magic"}, "'placement_source'"),
     ({"slot_cache_slots": -2}, "'slot_cache_slots'"),
+    ({"lookahead": 2}, "'lookahead': .*the only depth built"),
     ({"router_lean": {"enabled": True, "speed": 2}}, "router_lean.*unknown field\\(s\\) \\['speed'\\]"),
     ({"router_lean": {"agreement_floor": 2.0}}, "router_lean.agreement_floor"),
     ({"router_lean": {"check_every": 0}}, "router_lean.check_every"),
@@ -234,9 +235,9 @@ def test_profile_loading_errors_and_paths(tmp_path):
     with pytest.raises(ProfileError, match="missing required field 'tier0_bytes'"):
         load_profile(str(tmp_path / "min.json"))
     (tmp_path / "rel.json").write_text(json.dumps({"tier0_bytes": 10, "tier1_bytes": 0,
-                                                  "placement_source": "usage:u.json", "lookahead": 2}))
+                                                  "placement_source": "usage:u.json", "lookahead": 1}))
     p = load_profile(str(tmp_path / "rel.json"))
-    assert p == Profile("rel", 10, 0, f"usage:{tmp_path / 'u.json'}", lookahead=2) and p.lookahead_depth == 2
+    assert p == Profile("rel", 10, 0, f"usage:{tmp_path / 'u.json'}", lookahead=1) and p.lookahead_depth == 1
 
 
 # ---- end to end: prompts -> usage.json -> placement.json from a profile ----------------------------------

@@ -57,7 +57,7 @@ class Profile:
     tier1_bytes: int | float | str | Mapping[str, int]
     placement_source: str = "uniform"  # "usage:PATH" | "uniform" | "file:PATH"
     slot_cache_slots: int = 0
-    lookahead: bool | int = False  # False / True (= depth 1) / depth in layers
+    lookahead: bool | int = False  # False / True (= 1): layer l guesses layer l+1's experts (deeper is not built)
     router_lean: RouterLean = RouterLean()
     engram_tables: str = "ssd"
     comment: str = ""
@@ -191,8 +191,8 @@ def profile_from_json(d: Any, where: str, base_dir: str | None = None) -> Profil
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
         fail("slot_cache_slots", f"must be an integer >= 0, got {slots!r}")
     look = d.get("lookahead", False)
-    if not isinstance(look, (bool, int)) or look < 0:
-        fail("lookahead", f"must be true/false or a depth >= 0, got {look!r}")
+    if not isinstance(look, (bool, int)) or look not in (0, 1):
+        fail("lookahead", f"must be true/false (or 1/0: one layer ahead, the only depth built), got {look!r}")
     engram = d.get("engram_tables", "ssd")
     if engram not in ENGRAM_PLACES:
         fail("engram_tables", f"must be one of {list(ENGRAM_PLACES)}, got {engram!r}")
