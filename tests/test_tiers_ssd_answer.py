@@ -97,10 +97,13 @@ def test_host_tier_moves_give_each_flagged_entry_its_expert(n_host):
     tl = dataclasses.replace(tl, host=host, local_E=jnp.asarray(np.where(tier == 1, local, np.asarray(tl.local_E))),
                              has_host=True, host_fetch="selected")
     sel = jax.jit(lambda i: select_experts(tl, i))(jnp.asarray(idx))
+    # The vmapped form (the batched serving step: no branch, all K host rows moved) gives the same rows.
+    both = jax.jit(jax.vmap(lambda i: select_experts(tl, i, on_miss_only=False)))(jnp.asarray(np.stack([idx, idx])))
     on_host = jnp.asarray(tier[idx] == 1)
     moved = jax.jit(lambda loc, f: host_selected_rows(tl, loc, f))(jnp.asarray(local[idx]), on_host)
     for s, n in enumerate(STACKS):
         for k, e in enumerate(idx):
             np.testing.assert_array_equal(np.asarray(sel[n].data)[k], _expert_rows(int(e), s), err_msg=f"{n}, {k}")
+            np.testing.assert_array_equal(np.asarray(both[n].data)[1, k], _expert_rows(int(e), s), err_msg=f"{n} {k}")
             if tier[e] == 1:
                 np.testing.assert_array_equal(np.asarray(moved[s])[k], _expert_rows(int(e), s), err_msg=f"{n} {k}")

@@ -175,7 +175,8 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
     """For the K selected experts, their quantized rows from whichever tier owns each: stacks [K, out, in].
 
     `on_miss_only`: make the host call only when a selected expert is on the SSD (lax.cond); False calls every
-    step (the host answers at once when nothing is flagged), for vmapped steps where a cond cannot hold IO."""
+    step (the host answers at once when nothing is flagged), for vmapped steps where a cond cannot hold IO. False
+    also moves all K host rows with no branch: under vmap a switch runs every branch (1 + 2 + 4 + K moves)."""
     tier_K = tl.tier_E[idx_K]
     local_K = jnp.where(tier_K == 2, 0, tl.local_E[idx_K])
     on_ssd = tier_K == 2
@@ -187,7 +188,7 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
             ssd = io_callback(source_fetch(tl, shapes), shapes, idx_K, on_ssd)
     if tl.has_host:  # each moved host row crosses PCIe: skip it where the layer has no tier-1 expert
         host_local = jnp.where(tier_K == 1, local_K, 0)
-        host = (host_selected_rows(tl, host_local, tier_K == 1) if tl.host_fetch == "selected"
+        host = (host_selected_rows(tl, host_local, tier_K == 1) if tl.host_fetch == "selected" and on_miss_only
                 else tuple(host_rows(tl.host[n], host_local) for n in STACKS))
     selected = {}
     for i, n in enumerate(STACKS):
