@@ -11,6 +11,13 @@ yields `Token`s then one `Finished` (or one `Failed`), and `Handle.cancel()`. Ea
      with its own RNG (`engine.sample`), exactly as `Session.generate` does.
 Token ids, Engram rows and sampling stay on the host; the device only ever sees the fixed-shape batched step.
 
+A tiered engine (`serve --profile lucebox`, any profile that puts experts in pinned host memory or on the SSD)
+keeps every request's state in its own `Session` instead: the vmapped batched step cannot move pinned-host rows or
+call the SSD tier per slot, and a tiered step is bound by moving experts, which the slots would not share anyway.
+Each iteration then feeds each running request one token through the single-sequence step (sampled requests and
+logprobs), or runs up to `draft_chunk` tokens of the greedy device loop (jds41/decode_loop.greedy_generate) for a
+greedy one; their tokens are those of `Session.generate` bit for bit.
+
 With a drafter (`serve --draft`), greedy requests without logprobs take the speculative lane instead: their prompt
 is read by a `SpeculativeSession` (which hands the drafter the target features), their state stays in that session
 rather than in the stacked slots, and each iteration runs up to `draft_chunk` tokens of the DSpark device loop
@@ -41,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jds41 import batching
-from jds41.decode_loop import MAX_STOP_IDS
+from jds41.decode_loop import MAX_STOP_IDS, greedy_generate
 from jds41.engine import PREFILL_CHUNK, Engine, RequestError, SamplingParams, Session, sample
 from jds41.handles import (
     ContextTooLong,
@@ -86,6 +93,7 @@ class _Slot:
     t_admit: float
     session: Session | None
     drafted: Session | None = None  # the speculative lane's session once its prompt is read (state lives there)
+    alone: Session | None = None  # a tiered engine's request: its session once its prompt is read (state there)
     fed: int = 0  # prompt tokens prefilled so far
     history: list[int] = dataclasses.field(default_factory=list)  # newest ids, for the Engram hash
     pending: int | None = None
@@ -101,6 +109,7 @@ class Scheduler:
             raise ValueError("n_slots, prefill_budget and draft_chunk must be >= 1, max_queue >= 0")
         self.engine, self.n_slots, self.max_queue, self.prefill_budget = engine, n_slots, max_queue, prefill_budget
         self.drafter, self.draft_chunk = drafter, draft_chunk  # a DSparkDrafter: each drafted request copies it
+        self.alone = engine.tiers is not None  # every request decodes in its own session (module docstring)
         if drafter is not None:
             self._spec_session()  # a drafter whose block does not fit the engine's decode width fails here, at load
         self.stats = SchedulerStats(n_slots=n_slots)
@@ -123,8 +132,12 @@ class Scheduler:
             raise RuntimeError("warmup() must run before start()")
         session = self.engine.session()
         session.feed([0] * min(PREFILL_CHUNK + 1, self.engine.max_ctx))  # one scan chunk, then one step
-        states = batching.write_slot(batching.init_slots(self.engine.plan, self.n_slots), jnp.int32(0), session.state)
-        self._step(states, np.zeros(self.n_slots, np.int32), self._dummy_batch_rows())[0].block_until_ready()
+        if self.alone:  # the greedy device loop of the own-session lane (the one-token step is compiled above)
+            greedy_generate(session, 0, self.draft_chunk + 1)
+        else:
+            states = batching.write_slot(batching.init_slots(self.engine.plan, self.n_slots), jnp.int32(0),
+                                         session.state)
+            self._step(states, np.zeros(self.n_slots, np.int32), self._dummy_batch_rows())[0].block_until_ready()
         if self.drafter is not None:  # the speculative lane's prompt pieces and its device loop
             from jds41.speculative_loop import speculative_generate
 
@@ -186,9 +199,8 @@ class Scheduler:
         return handle
 
     def _drafts(self, req: GenRequest) -> bool:
-        """Whether a request takes the speculative lane: greedy, no logprobs (the loop keeps no logits), few stops."""
-        return (self.drafter is not None and req.sampling.temperature == 0 and not req.logprobs
-                and len(req.stop_ids) <= MAX_STOP_IDS)
+        """Whether a request takes the speculative lane (a drafter, and a request a device loop can decode)."""
+        return self.drafter is not None and _greedy_loopable(req)
 
     def _spec_session(self):
         """A SpeculativeSession with its own copy of the drafter (shared weights, fresh window rings)."""
@@ -302,6 +314,8 @@ class Scheduler:
                     continue
                 if self._drafts(s.handle.request):
                     s.drafted = s.session  # decodes in the speculative lane, from its own state
+                elif self.alone:
+                    s.alone = s.session  # a tiered engine: decodes in its own session
                 else:
                     self._states = batching.write_slot(self._states, jnp.int32(i), s.session.state)
             except Exception as e:
@@ -319,7 +333,10 @@ class Scheduler:
         for i, s in enumerate(self._slots):
             if s is not None and s.pending is not None and s.drafted is not None:
                 self._decode_drafted(i)
-        live = [i for i, s in enumerate(self._slots) if s is not None and s.pending is not None and s.drafted is None]
+            elif s is not None and s.pending is not None and s.alone is not None:
+                self._decode_alone(i)
+        live = [i for i, s in enumerate(self._slots)
+                if s is not None and s.pending is not None and s.drafted is None and s.alone is None]
         if not live:
             return
         tokens = np.zeros(self.n_slots, np.int32)  # free and prefilling slots step a dummy token 0
@@ -338,12 +355,46 @@ class Scheduler:
         except Exception as e:  # the donated state may be gone: fail the slots that lived in it, start afresh
             log.exception("batched step failed")
             for i, s in enumerate(self._slots):
-                if s is not None and s.session is None and s.drafted is None:
+                if s is not None and s.session is None and s.drafted is None and s.alone is None:
                     self._fail(i, f"decode failed: {e}")
             self._states = batching.init_slots(self.engine.plan, self.n_slots)
             return
         for i in live:
             self._accept_guarded(i, logits[i])
+
+    def _decode_alone(self, i: int) -> None:
+        """Slot i of a tiered engine, in its own session: up to draft_chunk greedy tokens in one device loop, or
+        one token through the single-sequence step (sampling, logprobs, many stop ids); only this request fails
+        if it fails."""
+        s = self._slots[i]
+        req = s.handle.request
+        tok, s.pending = s.pending, None
+        looped = _greedy_loopable(req)
+        try:
+            if looped:
+                out = greedy_generate(s.alone, tok, self.draft_chunk + 1, req.stop_ids)
+            else:
+                logits = s.alone.feed([tok])
+        except Exception as e:
+            log.exception("decode failed for %s", s.handle.id)
+            self._fail(i, f"decode failed: {e}")
+            return
+        if looped:
+            self._emit_chunk(i, s, out)
+        else:
+            self._accept_guarded(i, logits)
+
+    def _emit_chunk(self, i: int, s: _Slot, out: list[int]) -> None:
+        """Tokens of a device-loop chunk that began with the fed token `out[0]`: every one but the newest was fed,
+        and the newest is fed by the next chunk."""
+        if len(out) < 2:  # no room left in the context (the limit normally ends the request first)
+            self._finish(i, "length", time.perf_counter())
+            return
+        s.pending = None
+        for tok in out[1:]:
+            self._emit(i, tok)
+            if self._slots[i] is not s:
+                return
 
     def _decode_drafted(self, i: int) -> None:
         """Up to draft_chunk tokens of slot i from the DSpark device loop; only this request fails if it fails."""
@@ -360,14 +411,7 @@ class Scheduler:
             return
         self.stats.draft_tokens_total += stats.drafted - drafted
         self.stats.draft_accepted_total += stats.accepted - accepted
-        if len(out) < 2:  # no room left in the context (the limit normally ends the request first)
-            self._finish(i, "length", time.perf_counter())
-            return
-        s.pending = None
-        for tok in out[1:]:  # every token but the newest was fed; the newest is fed by the next chunk
-            self._emit(i, tok)
-            if self._slots[i] is not s:
-                return
+        self._emit_chunk(i, s, out)
 
     def _step(self, states: dict, tokens: np.ndarray, rows: np.ndarray | None):
         return batching.batched_step(self.engine.plan, self.engine.params, states, jnp.asarray(tokens),
@@ -437,6 +481,11 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self.stats.running = sum(s is not None for s in self._slots)
         self.stats.waiting = len(self._waiting)
+
+
+def _greedy_loopable(req: GenRequest) -> bool:
+    """Whether a device loop can decode the request: greedy, no logprobs (the loop keeps no logits), few stops."""
+    return req.sampling.temperature == 0 and not req.logprobs and len(req.stop_ids) <= MAX_STOP_IDS
 
 
 def _logprobs(logits: np.ndarray, tok: int, n: int) -> tuple[float, list[tuple[int, float]]]:

@@ -3,7 +3,8 @@
 - The port answers at once: /health is 503 with load progress (phase, bytes done, bytes total) until the model
   is ready (the hidden --load-delay holds the load so the state is observable), and requests get 503 + Retry-After.
 - A broken model file (truncated; a misshapen tensor) ends the process with status 1 and a message naming the
-  file and the tensor; arguments that cannot work (unknown profile, a missing model or draft file) exit 2 at once.
+  file and the tensor; arguments that cannot work (an unknown profile or profile file, a missing model or draft
+  file) exit 2 at once.
 - A client that disconnects (stream or not) frees its slot within 1 s and the gauges return to 0; after 200
   requests abandoned by a 0.5 s client timeout a fresh request completes within 5 s (vLLM test_basic.py), and
   the server's memory has not grown (SGLang test_abort.py).
@@ -214,7 +215,8 @@ def test_broken_model_exits_nonzero_naming_the_tensor(tmp_path_factory, tmp_path
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--profile", "ssd-heavy"], "profile 'ssd-heavy' is not available for serving yet"),
+    (["--profile", "nope"], "unknown profile 'nope'; shipped profiles:"),
+    (["--profile", "/nonexistent/profile.json"], "/nonexistent/profile.json"),
     (["--draft", "/nonexistent/draft.gguf"], "draft file not found: /nonexistent/draft.gguf"),
     (["--slots", "0"], "--slots 0"),
     (["--decode-width", "0"], "--decode-width 0: expected an integer >= 1"),

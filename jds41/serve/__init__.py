@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-DEFAULT_PROFILE = "all-hbm"  # the only placement until the tier planner lands: every weight in device memory
+DEFAULT_PROFILE = "all-hbm"  # every weight in device memory: the resident model, its slots batched in one step
 
 
 @dataclasses.dataclass(frozen=True)

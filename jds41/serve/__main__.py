@@ -18,18 +18,17 @@ import os
 import sys
 
 from jds41.serve import DEFAULT_PROFILE, ServeOptions
-
-# Tiered profiles run in single-sequence steps (python -m jds41.generate --profile); the continuously batched step
-# cannot gather pinned-host rows under vmap yet (a batched gather on a host operand), so serving keeps all-hbm
-# until the fused step of issue #5 handles the slot axis itself.
-PROFILES = (DEFAULT_PROFILE,)
+from jds41.tiers.profiles import ProfileError, load_profile, shipped_profiles
 
 
 def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
     ap = argparse.ArgumentParser(prog="python -m jds41.serve", description="Serve a DeepSeek V4(.1)-Flash GGUF "
                                  "over an OpenAI-compatible HTTP API.")
     ap.add_argument("model", help="GGUF file (any shard of a split file) or Orbax directory")
-    ap.add_argument("--profile", default=DEFAULT_PROFILE, help=f"placement profile (available: {', '.join(PROFILES)})")
+    ap.add_argument("--profile", default=DEFAULT_PROFILE,
+                    help=f"placement profile: a shipped name ({', '.join(shipped_profiles())}) or a JSON file; "
+                    f"{DEFAULT_PROFILE} (the default) keeps every weight in device memory and batches the slots in "
+                    "one step, a tiered profile decodes each request in its own single-sequence step")
     ap.add_argument("--draft", help="DSpark draft GGUF ('self': the model's own mtp.* stages): greedy requests "
                     "without logprobs decode with drafting, token for token as `python -m jds41.generate` does")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -50,10 +49,10 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
     ap.add_argument("--load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
-    if args.profile not in PROFILES:
-        ap.error(f"profile {args.profile!r} is not available for serving yet: the batched step serves all-hbm only "
-                 f"(tiered profiles work in `python -m jds41.generate --profile`; available here: "
-                 f"{', '.join(PROFILES)})")
+    try:
+        load_profile(args.profile)
+    except ProfileError as e:
+        ap.error(str(e))
     if args.draft is not None and args.draft != "self" and not os.path.exists(args.draft):
         ap.error(f"draft file not found: {args.draft}")
     if not os.path.exists(args.model):

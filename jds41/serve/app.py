@@ -163,10 +163,7 @@ def create_app(model_path: str, options: ServeOptions | None = None,
             "vocab_size": eng.vocab_size,
             "chat_template": tok.chat.source if tok is not None else None,
             "chat_template_source": tok.chat_template_source if tok is not None else None,
-            "profile": options.profile, "draft": options.draft,
-            # Placeholder until the tier planner lands: the all-hbm profile keeps every weight in device memory.
-            "tiers": {"hbm_bytes": total, "host_bytes": 0, "ssd_bytes": 0,
-                      "note": "all weights resident in device memory (tiering not implemented yet)"},
+            "profile": options.profile, "draft": options.draft, "tiers": _tier_bytes(eng, total),
             "max_tokens_clamping": CLAMP_NOTE,
             "build": {**srv.build, "jax": jax.__version__, "backend": jax.default_backend()},
             "load_seconds": round(loader.ready_at - loader.started_at, 3) if loader.ready_at else None,
@@ -198,3 +195,15 @@ def create_app(model_path: str, options: ServeOptions | None = None,
         return JSONResponse({"content": text, "prompt": text})
 
     return app
+
+
+def _tier_bytes(engine, file_bytes: int) -> dict:
+    """Where the model's bytes are: the whole file in device memory for the resident all-hbm placement, else the
+    routed experts' bytes per tier as the profile placed them (dense weights and shared experts sit in HBM)."""
+    tiers = engine.tiers
+    if tiers is None:
+        return {"hbm_bytes": file_bytes, "host_bytes": 0, "ssd_bytes": 0,
+                "note": "all weights resident in device memory"}
+    hbm, host, ssd = (int(b) for b in tiers.placement.tier_bytes)
+    return {"hbm_bytes": hbm, "host_bytes": host, "ssd_bytes": ssd, "profile": tiers.profile.name,
+            "note": "routed expert bytes per tier; dense weights and shared experts are in device memory"}

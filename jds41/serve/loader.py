@@ -6,8 +6,9 @@ engine: parameters, tokenizer, plan), `compiling` (the scheduler's warm-up: ever
 `ready`, or `failed` with the error message.
 
 The read pass pulls the file through the page cache before the engine maps it. With the all-hbm profile the
-engine reads every tensor anyway, so this costs nothing extra and turns an opaque load into measured progress;
-tiered profiles will report their own bytes when they land.
+engine reads every tensor anyway, so this costs nothing extra and turns an opaque load into measured progress. A
+tiered profile skips it: its loader reads only the resident tensors and the HBM and host tiers, with O_DIRECT
+around the page cache, and a pass over a file larger than host memory would read the SSD tier for nothing.
 
 jax and the engine are imported in the thread: the port binds before a second of import time is spent.
 """
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jds41.errors import Jds41Error
-from jds41.serve import ServeOptions
+from jds41.serve import DEFAULT_PROFILE, ServeOptions
 
 log = logging.getLogger("jds41.serve")
 
@@ -106,7 +107,7 @@ class ModelLoader:
         self.phase = "reading"
         if self.options.load_delay_s > 0:
             self._stopping.wait(self.options.load_delay_s)
-        for path, _ in shards:
+        for path, _ in shards if self.options.profile == DEFAULT_PROFILE else ():
             self._read(path)
         if self._stopping.is_set():
             return
@@ -116,8 +117,10 @@ class ModelLoader:
         from jds41.scheduler import Scheduler
 
         o = self.options
+        # all-hbm is the resident model itself (no tier table in the graph); any other profile places the experts
         engine = Engine.open(self.path, max_ctx=o.ctx, prefill_chunk=o.prefill_chunk, decode_width=o.decode_width,
-                             prefix_cache_bytes=o.prefix_cache_bytes, prefix_cache_dir=o.prefix_cache_dir)
+                             prefix_cache_bytes=o.prefix_cache_bytes, prefix_cache_dir=o.prefix_cache_dir,
+                             profile=None if o.profile == DEFAULT_PROFILE else o.profile)
         drafter = None
         if o.draft is not None:
             from jds41.speculative import DSparkDrafter

@@ -11,11 +11,11 @@ Prefix cache (issue #10): `prefix_cache_queries` counts prompt tokens looked up 
 `prefix_cache_hits` / `_misses` count requests and `prefix_cache_hit_tokens` the tokens restored; `_evictions`
 and the `prefix_cache_bytes` gauge follow the byte budget. All 0 while the cache is off (--prefix-cache-bytes 0).
 
-Placeholders, exported at 0 so dashboards and alerts can be built now: the tier metrics (expert lookups and hits
-per tier, SSD bytes, Engram rows, prefetch) until the server serves tiered placements and feeds them. The
+Tiers (`--profile` other than all-hbm): expert lookups and hits per tier, SSD bytes read, prefetch guesses, from
+the engine's tier runtime; Engram rows read on the host in every placement. The
 speculative-decoding counters come from the scheduler's drafted lane (0 without --draft). The router lean's swaps,
 back-offs, margin and top-k agreement come from the engine's live guard (zeros while the lean is off, as it is
-under the server's all-hbm placement).
+under the all-hbm placement).
 """
 
 from __future__ import annotations
@@ -132,18 +132,7 @@ class ServerMetrics:
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", getattr(stats, "draft_tokens_total", 0))
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                       getattr(stats, "draft_accepted_total", 0))
-        # Placeholders (module docstring): the features that feed them have not landed.
-        for name, doc in (("ssd_read_bytes", "Bytes read from the SSD tier."),
-                          ("engram_rows_read", "Engram rows read on the host."),
-                          ("prefetch_predictions", "Expert prefetch predictions."),
-                          ("prefetch_correct", "Expert prefetch predictions that were used.")):
-            yield counter(name, doc, 0)
-        for name, doc in (("expert_lookups", "Routed expert lookups by tier."),
-                          ("expert_hits", "Routed expert lookups served from the tier.")):
-            fam = CounterMetricFamily(P + name, doc, labels=["model_name", "tier"])
-            for tier in TIERS:
-                fam.add_metric([*m, tier], 0)
-            yield fam
+        yield from self._tiers()
 
 
     def _prefix_cache(self):
@@ -167,6 +156,34 @@ class ServerMetrics:
         fam.add_metric(m, cache.nbytes if cache is not None else 0)
         yield fam
 
+
+    def _tiers(self):
+        """Expert traffic by tier (jds41/tiers/runtime.py counts every routed selection of a tiered engine; the
+        SSD tier's slot cache its hits and the bytes its misses read), the look-ahead's guesses, and the Engram
+        rows read on the host. A resident engine (the all-hbm default) traces no routing: its tier counters stay 0."""
+        engine = self.loader.engine
+        tiers = getattr(engine, "tiers", None)
+        ssd = tiers.stores.ssd.stats if tiers is not None and tiers.stores.ssd is not None else None
+        engram = getattr(engine, "engram", None)
+        m = [self.model_name]
+        for name, doc, value in (
+                ("ssd_read_bytes", "Bytes read from the SSD tier (routed experts).", ssd.bytes if ssd else 0),
+                ("engram_rows_read", "Engram rows read on the host.", getattr(engram[1], "rows_read", 0) if engram
+                 else 0),
+                ("prefetch_predictions", "Expert prefetch predictions.", tiers.predictions if tiers else 0),
+                ("prefetch_correct", "Expert prefetch predictions that were used.",
+                 tiers.predictions_correct if tiers else 0)):
+            fam = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            fam.add_metric(m, value)
+            yield fam
+        lookups = [int(n) for n in tiers.lookups] if tiers is not None else [0] * len(TIERS)
+        hits = lookups[:2] + [ssd.hits if ssd else 0]  # HBM and host always hit: residency is their definition
+        for name, doc, values in (("expert_lookups", "Routed expert lookups by tier.", lookups),
+                                  ("expert_hits", "Routed expert lookups served from the tier.", hits)):
+            fam = CounterMetricFamily(P + name, doc, labels=["model_name", "tier"])
+            for tier, value in zip(TIERS, values):
+                fam.add_metric([*m, tier], value)
+            yield fam
 
     def _router_lean(self):
         """The router lean and its live guard (jds41/tiers/lean_guard.py): swaps and back-offs as counters, the
