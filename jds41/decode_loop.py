@@ -50,9 +50,10 @@ def _engram_fn(engine):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=5)
 def _loop(plan: M.ModelPlan, n_max: int, rows_fn, trace: bool, params, state, first, history, n_hist, stop_ids,
-          forced=None):
-    """`forced` [n_max] (optional): feed these tokens instead of the argmax (out[i] is still the argmax after
-    feeding token i-1), so a benchmark can run decode steps over a fixed token stream."""
+          limit, forced=None):
+    """Up to `limit` (traced, <= n_max) outputs, `first` included, in buffers of the static size n_max: one compiled
+    loop serves every limit up to it. `forced` [n_max] (optional): feed these tokens instead of the argmax (out[i]
+    is still the argmax after feeding token i-1), so a benchmark can run decode steps over a fixed token stream."""
     cfg = plan.cfg
     n_ctx = cfg.engram.max_ngram - 1 if cfg.engram is not None else 0
     L, K = cfg.n_layers, cfg.n_experts_used
@@ -65,7 +66,7 @@ def _loop(plan: M.ModelPlan, n_max: int, rows_fn, trace: bool, params, state, fi
 
     def cond(c):
         st, tok, count = c[0], c[1], c[2]
-        return (count < n_max) & ~stop(tok) & (st["pos"] < plan.max_ctx)
+        return (count < limit) & ~stop(tok) & (st["pos"] < plan.max_ctx)
 
     def body(c):
         st, tok, count, out, hist, n_hist, routing = c
@@ -98,19 +99,24 @@ def stop_array(stop_ids) -> tuple[list[int], jax.Array]:
     return stop, jnp.asarray(stop + [-1] * (MAX_STOP_IDS - len(stop)), jnp.int32)
 
 
-def greedy_generate(session, first_token: int, max_new: int, stop_ids=()) -> list[int]:
+def greedy_generate(session, first_token: int, max_new: int, stop_ids=(), n_max: int | None = None) -> list[int]:
     """Tokens `Session.generate` would yield at temperature 0 after its first one (`first_token`, the argmax of the
     prompt's logits, already chosen by the caller), all in one device loop; the session's state and history advance
-    exactly as the reference loop would leave them. Returns every generated token, `first_token` included."""
+    exactly as the reference loop would leave them. Returns every generated token, `first_token` included.
+    `n_max` (>= max_new; default max_new) sizes the compiled loop: callers whose max_new varies (a request's last
+    chunk) pass a fixed n_max and compile once."""
     eng = session.engine
     if max_new < 1:
         return []
+    n_max = max_new if n_max is None else n_max
+    if n_max < max_new:
+        raise ValueError(f"n_max {n_max} < max_new {max_new}")
     stop, stop_arr = stop_array(stop_ids)
     _, hist, n_hist = _history(session)
     rows_fn = _rows_fn(eng) if eng.engram is not None else None
     trace = eng.tiers is not None
-    out, count, state, routing = _loop(eng.plan, max_new, rows_fn, trace, eng.params, session.state,
-                                       jnp.int32(first_token), hist, n_hist, stop_arr)
+    out, count, state, routing = _loop(eng.plan, n_max, rows_fn, trace, eng.params, session.state,
+                                       jnp.int32(first_token), hist, n_hist, stop_arr, jnp.int32(max_new))
     produced = [int(t) for t in np.asarray(out[:int(count)])]
     fed = produced[:-1]  # every iteration fed the newest token and produced the next; the last is never fed
     session.state = state
@@ -136,7 +142,8 @@ def decode_forced(session, tokens) -> np.ndarray:
     trace = eng.tiers is not None
     stop = jnp.full((MAX_STOP_IDS,), -1, jnp.int32)
     out, count, state, routing = _loop(eng.plan, len(tokens), rows_fn, trace, eng.params, session.state,
-                                       jnp.int32(tokens[0]), hist, n_hist, stop, jnp.asarray(tokens, jnp.int32))
+                                       jnp.int32(tokens[0]), hist, n_hist, stop, jnp.int32(len(tokens)),
+                                       jnp.asarray(tokens, jnp.int32))
     fed = tokens[:int(count) - 1]
     session.state = state
     session.tokens += fed

@@ -371,8 +371,9 @@ class Scheduler:
         tok, s.pending = s.pending, None
         looped = _greedy_loopable(req)
         try:
-            if looped:
-                out = greedy_generate(s.alone, tok, self.draft_chunk + 1, req.stop_ids)
+            if looped:  # the request's last chunk stops at its limit; one compiled loop serves every chunk
+                out = greedy_generate(s.alone, tok, min(self.draft_chunk, s.limit - s.generated) + 1, req.stop_ids,
+                                      n_max=self.draft_chunk + 1)
             else:
                 logits = s.alone.feed([tok])
         except Exception as e:

@@ -48,6 +48,17 @@ def test_loop_equals_reference_tokens_and_state(synthetic_model, arch, quant):
     assert s_got.feed([got[-1]]).tolist() == s_ref.feed([ref[-1]]).tolist()
 
 
+def test_a_loop_sized_larger_stops_at_its_limit(synthetic_model):
+    """greedy_generate with n_max above max_new (the server's fixed-size chunks) yields max_new tokens and leaves the
+    session where the reference does after max_new: the loop does not run on to its size."""
+    engine = Engine.open(str(synthetic_model("deepseek41", "tiny", "q8")), max_ctx=96)
+    ref, s_ref = _reference(engine, PROMPT, 5)
+    s = engine.session()
+    got = greedy_generate(s, int(np.argmax(s.feed(PROMPT))), 5, n_max=17)
+    assert got == ref and len(got) == 5
+    _same_state(s, s_ref)
+
+
 @pytest.mark.parametrize("arch,quant", [("deepseek41", "q8"), ("deepseek4", "mxfp4")])
 def test_forced_stream_equals_feeding_the_tokens(synthetic_model, arch, quant):
     """decode_forced (the benchmarks' fixed token stream) = Session.feed of the same tokens: same argmax after each
