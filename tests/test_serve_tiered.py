@@ -1,7 +1,8 @@
 """`python -m jds41.serve MODEL --profile PROFILE.json` (real server process, real openai client): with the routed
 experts split across HBM, pinned host memory and the SSD, each request decodes in its own session, and the
 completions equal `Session.generate` of an engine opened in-process with the same profile (greedy through the
-device loop, sampled and logprobs requests through the single-sequence step). /metrics counts the expert traffic
+device loop, sampled and logprobs requests through the single-sequence step), also when a request resumes from
+the prefix cache (`usage.prompt_tokens_details.cached_tokens` says how far). /metrics counts the expert traffic
 by tier and /props reports the placement."""
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def test_tiered_server_equals_in_process_generate(tmp_path_factory):
     want_greedy = [text(p, 40, greedy_params) for p in greedy]  # 40 tokens: more than one device-loop chunk of 16
     want_sampled = text([9, 9, 9], 12, sampled_params)
 
-    srv = start_server(tmp_path_factory, "tiered", "--profile", str(profile))
+    ids = list(range(3, 40))  # a prompt, then the same prompt extended by 3 ids: resumes from all of the first
+    want_extended = text(ids + [7, 8, 9], 4, greedy_params)
+
+    srv = start_server(tmp_path_factory, "tiered", "--profile", str(profile), "--prefix-cache-bytes", str(64 << 20))
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
         got = [c.completions.create(model="tiny-l1", prompt=p, max_tokens=40, temperature=0) for p in greedy]
@@ -54,6 +58,10 @@ def test_tiered_server_equals_in_process_generate(tmp_path_factory):
         assert 0 < srv.metric("jds41:expert_hits_total", 'tier="ssd"') <= lookups["ssd"]
         assert srv.metric("jds41:expert_hits_total", 'tier="host"') == lookups["host"]
         assert srv.metric("jds41:ssd_read_bytes_total") > 0
+        c.completions.create(model="tiny-l1", prompt=ids, max_tokens=2, temperature=0)
+        extended = c.completions.create(model="tiny-l1", prompt=ids + [7, 8, 9], max_tokens=4, temperature=0)
+        assert extended.usage.prompt_tokens_details.cached_tokens == len(ids)
+        assert extended.choices[0].text == want_extended
         props = httpx.get(srv.url + "/props", timeout=10).json()
         assert props["profile"] == str(profile) and props["tiers"]["profile"] == "three-tiers"
         assert min(props["tiers"][k] for k in ("hbm_bytes", "host_bytes", "ssd_bytes")) > 0
