@@ -160,7 +160,8 @@ class ServerMetrics:
     def _tiers(self):
         """Expert traffic by tier (jds41/tiers/runtime.py counts every routed selection of a tiered engine; the
         SSD tier's slot cache its hits and the bytes its misses read), the look-ahead's guesses, and the Engram
-        rows read on the host. A resident engine (the all-hbm default) traces no routing: its tier counters stay 0."""
+        rows read on the host. A resident engine (the all-hbm default) traces no routing: its tier counters stay 0.
+        Counted since the engine opened, so the warm-up's compile run (33 prompt and 16 decode tokens) is in them."""
         engine = self.loader.engine
         tiers = getattr(engine, "tiers", None)
         ssd = tiers.stores.ssd.stats if tiers is not None and tiers.stores.ssd is not None else None
