@@ -109,7 +109,7 @@ class Scheduler:
             raise ValueError("n_slots, prefill_budget and draft_chunk must be >= 1, max_queue >= 0")
         self.engine, self.n_slots, self.max_queue, self.prefill_budget = engine, n_slots, max_queue, prefill_budget
         self.drafter, self.draft_chunk = drafter, draft_chunk  # a DSparkDrafter: each drafted request copies it
-        self.alone = engine.tiers is not None  # every request decodes in its own session (module docstring)
+        self.own_sessions = engine.tiers is not None  # every request decodes in its own session (module docstring)
         if drafter is not None:
             self._spec_session()  # a drafter whose block does not fit the engine's decode width fails here, at load
         self.stats = SchedulerStats(n_slots=n_slots)
@@ -132,7 +132,7 @@ class Scheduler:
             raise RuntimeError("warmup() must run before start()")
         session = self.engine.session()
         session.feed([0] * min(PREFILL_CHUNK + 1, self.engine.max_ctx))  # one scan chunk, then one step
-        if self.alone:  # the greedy device loop of the own-session lane (the one-token step is compiled above)
+        if self.own_sessions:  # the greedy device loop of the own-session lane (the one-token step is compiled above)
             greedy_generate(session, 0, self.draft_chunk + 1)
         else:
             states = batching.write_slot(batching.init_slots(self.engine.plan, self.n_slots), jnp.int32(0),
@@ -314,7 +314,7 @@ class Scheduler:
                     continue
                 if self._drafts(s.handle.request):
                     s.drafted = s.session  # decodes in the speculative lane, from its own state
-                elif self.alone:
+                elif self.own_sessions:
                     s.alone = s.session  # a tiered engine: decodes in its own session
                 else:
                     self._states = batching.write_slot(self._states, jnp.int32(i), s.session.state)

@@ -104,11 +104,14 @@ class ModelLoader:
         with open_model(self.path) as model:
             shards = [(s.path, s.size) for s in model.shards]
         self.bytes_total = sum(size for _, size in shards)
+        # all-hbm is the resident model itself (no tier table in the graph); any other profile places the experts
+        resident = self.options.profile == DEFAULT_PROFILE
         self.phase = "reading"
         if self.options.load_delay_s > 0:
             self._stopping.wait(self.options.load_delay_s)
-        for path, _ in shards if self.options.profile == DEFAULT_PROFILE else ():
-            self._read(path)
+        if resident:  # module docstring: a tiered profile skips the read pass
+            for path, _ in shards:
+                self._read(path)
         if self._stopping.is_set():
             return
 
@@ -117,10 +120,9 @@ class ModelLoader:
         from jds41.scheduler import Scheduler
 
         o = self.options
-        # all-hbm is the resident model itself (no tier table in the graph); any other profile places the experts
         engine = Engine.open(self.path, max_ctx=o.ctx, prefill_chunk=o.prefill_chunk, decode_width=o.decode_width,
                              prefix_cache_bytes=o.prefix_cache_bytes, prefix_cache_dir=o.prefix_cache_dir,
-                             profile=None if o.profile == DEFAULT_PROFILE else o.profile)
+                             profile=None if resident else o.profile)
         drafter = None
         if o.draft is not None:
             from jds41.speculative import DSparkDrafter
