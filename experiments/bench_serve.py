@@ -60,11 +60,16 @@ def _metrics(url: str) -> dict[str, float]:
     return out
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
+def _tail(path: str, n: int = 30) -> str:
+    with open(path, errors="replace") as fh:
+        return "".join(fh.readlines()[-n:])
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float, log: str) -> float:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
+            raise RuntimeError(f"the server exited with {proc.returncode}; the end of its log ({log}):\n{_tail(log)}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return time.perf_counter() - t0
@@ -135,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     ap.add_argument("--request-timeout", type=float, default=900.0)
     ap.add_argument("--out", default=None, help="append JSON lines here (also printed)")
+    ap.add_argument("--server-log", default=None, help="the server's stdout and stderr (default: beside --out, "
+                    "else serve.log in the working directory)")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",") if c]
 
@@ -144,9 +151,11 @@ def main(argv: list[str] | None = None) -> int:
            "--ctx", str(args.ctx), "--profile", args.profile, "--decode-width", str(args.decode_width)]
     if args.draft:
         cmd += ["--draft", args.draft]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = args.server_log or (os.path.splitext(args.out)[0] + ".serve.log" if args.out else "serve.log")
+    with open(log, "ab") as log_fh:  # the server's own account of a failure outlives this process
+        proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT)
     try:
-        ready_s = _wait_ready(url, proc, args.ready_timeout)
+        ready_s = _wait_ready(url, proc, args.ready_timeout, log)
         props = httpx.get(url + "/props", timeout=30).json()
         model_id = props["model"]
         prompts = _prompts(args, props["vocab_size"])
