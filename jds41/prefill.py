@@ -93,7 +93,7 @@ def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict
     on_ssd = tier_U == 2
     ssd = None
     if tl.source is not None:
-        ssd = ssd_rows(tl, union_U, on_ssd)
+        ssd = ssd_rows(tl, union_U, on_ssd, union=True)
     if tl.has_host:
         host_local = jnp.where(tier_U == 1, local_U, 0)
         n_host = tl.host[STACKS[0]].data.shape[0]

@@ -329,6 +329,20 @@ def test_stores_follow_the_placement(synthetic_model, quant):
             want = _expected(model, layout, (2, e)) if tier[2, e] == 2 else np.zeros(layout.expert_nbytes(2), np.uint8)
             assert np.array_equal(_bytes_at(rows, e), want), e
         assert rows[0].dtype == (np.float32 if quant == "f32" else np.uint8) and not ssd.cache.pinned()
+        # Union-sized answers (more than a decode step's rows) come from reused arenas: each call's own rows are
+        # exact, and the arena of two calls back is handed out again rather than new memory.
+        n_exp = tier.shape[1]
+        answers = []
+        for n in (12, 10, 12):
+            experts = np.concatenate([np.arange(n_exp), np.zeros(n - n_exp, int)]).astype(np.int32)
+            flagged = (tier[2, experts] == 2) & (np.arange(n) < n_exp)
+            rows = ssd.fetch(2, experts, flagged)
+            for k, e in enumerate(experts):
+                want = (_expected(model, layout, (2, e)) if flagged[k]
+                        else np.zeros(layout.expert_nbytes(2), np.uint8))
+                assert np.array_equal(_bytes_at(rows, k), want), (n, k)
+            answers.append(rows)
+        assert np.shares_memory(answers[0][0], answers[2][0]) and not np.shares_memory(answers[0][0], answers[1][0])
 
         # The graph's view: products from a store's stack or slots equal those from the whole GGUF stack.
         product = jax.jit(qmatvec_experts)  # eager dispatch of its many small ops costs seconds on CPU

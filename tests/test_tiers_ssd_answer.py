@@ -1,8 +1,8 @@
 """The SSD host call of a layer (tiers/experts.ssd_rows): at most one call, and as few rows in its answer as the
-flagged experts need (none, 1, 2, or all of them), with every flagged entry getting its own expert's rows back in
-its own place; and the same for the pinned-host tier's compact moves (host_selected_rows). The sources here are
-fakes whose rows encode the expert id, so the expected rows are known without the code under test; the real SSD
-store is covered by tests/test_tiers_invariance.py."""
+flagged experts need (none, 1, 2, or all of them; a prefill union no more than the layer's SSD experts), with every
+flagged entry getting its own expert's rows back in its own place; and the same for the pinned-host tier's compact
+moves (host_selected_rows). The sources here are fakes whose rows encode the expert id, so the expected rows are
+known without the code under test; the real SSD store is covered by tests/test_tiers_invariance.py."""
 
 from __future__ import annotations
 
@@ -35,16 +35,17 @@ class FakeSource:
                                for e, m in zip(experts, on_ssd)]) for i in range(len(STACKS)))
 
 
-def _layer(tier_E: np.ndarray, source) -> TieredLayer:
+def _layer(tier_E: np.ndarray, source, n_ssd: int | None = None) -> TieredLayer:
     hbm_ids = np.flatnonzero(tier_E == 0)
-    local = np.zeros(E, np.int32)
+    local = np.zeros(len(tier_E), np.int32)
     local[hbm_ids] = np.arange(len(hbm_ids))
     hbm = {n: QTensor(jnp.asarray(np.stack([_expert_rows(int(e), i) for e in hbm_ids] or [np.zeros((OUT, IN))])
                                   .astype(np.float32)), F32, (max(len(hbm_ids), 1), OUT, IN))
            for i, n in enumerate(STACKS)}
     dummy = {n: QTensor(jnp.zeros((1, OUT, IN), jnp.float32), F32, (1, OUT, IN)) for n in STACKS}
     return TieredLayer(hbm=hbm, host=dummy, tier_E=jnp.asarray(tier_E, jnp.int32), local_E=jnp.asarray(local),
-                       lean_margin=jnp.float32(0), layer=0, source=source, has_host=False)
+                       lean_margin=jnp.float32(0), layer=0, source=source, has_host=False,
+                       n_ssd=n_ssd)
 
 
 @pytest.mark.parametrize("flags", [[0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0], [0, 1, 0, 0, 1, 0], [1, 1, 0, 0, 0, 0],
@@ -63,6 +64,30 @@ def test_one_call_with_only_the_rows_the_flagged_experts_need(flags):
         assert r.shape == (len(idx), OUT, IN)
         for k in np.flatnonzero(on):
             np.testing.assert_array_equal(r[k], _expert_rows(int(idx[k]), s), err_msg=f"stack {s}, entry {k}")
+
+
+@pytest.mark.parametrize("n_flagged", [0, 1, 2, 3, 5, 6, 9, 10, 12])
+def test_a_union_is_answered_with_no_more_rows_than_the_layer_has_ssd_experts(n_flagged):
+    """A prefill union of 24 distinct experts in a layer of 40 with 12 on the SSD: the answer never has more than
+    12 rows (the union's 24 entries were all answered before), in steps of 1, 2, 3 (a quarter), 6 (a half) or 12,
+    and every flagged entry gets its own expert's rows."""
+    n_experts, n_ssd = 40, 12
+    tier = np.zeros(n_experts, np.int32)
+    ssd_ids = np.arange(1, 2 * n_ssd, 2)  # odd experts below 24 are on the SSD
+    tier[ssd_ids] = 2
+    src = FakeSource()
+    tl = _layer(tier, src, n_ssd=n_ssd)
+    rng = np.random.default_rng(n_flagged)
+    union = np.sort(np.concatenate([rng.choice(ssd_ids, n_flagged, replace=False),
+                                    rng.choice(np.flatnonzero(tier == 0), 24 - n_flagged, replace=False)]))
+    on = tier[union] == 2
+    rows = jax.jit(lambda i, m: ssd_rows(tl, i, m, union=True))(jnp.asarray(union, jnp.int32), jnp.asarray(on))
+    want = [] if n_flagged == 0 else [next(S for S in (1, 2, 3, 6, 12) if S >= n_flagged)]
+    assert src.calls == want
+    for s, r in enumerate(rows):
+        assert np.asarray(r).shape == (24, OUT, IN)
+        for k in np.flatnonzero(on):
+            np.testing.assert_array_equal(np.asarray(r)[k], _expert_rows(int(union[k]), s), err_msg=f"{s}, {k}")
 
 
 def test_select_experts_mixes_hbm_and_compact_ssd_rows():

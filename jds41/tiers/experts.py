@@ -59,10 +59,11 @@ class TieredLayer:
     source: HostExpertSource | None = None  # None when nothing of this layer is on the SSD
     has_host: bool = True  # False: no tier-1 expert in this layer, so the graph moves no host rows at all
     host_fetch: str = "selected"  # or "all": K host rows per layer with no branch (Profile.host_fetch)
+    n_ssd: int | None = None  # experts of this layer on the SSD (static): no call can flag more; None = unknown
 
 
 jax.tree_util.register_dataclass(TieredLayer, data_fields=["hbm", "host", "tier_E", "local_E", "lean_margin"],
-                                 meta_fields=["layer", "source", "has_host", "host_fetch"])
+                                 meta_fields=["layer", "source", "has_host", "host_fetch", "n_ssd"])
 
 
 def host_rows(q: QTensor, local_N: jax.Array) -> jax.Array:
@@ -78,14 +79,15 @@ def host_rows(q: QTensor, local_N: jax.Array) -> jax.Array:
                                      jax.memory.Space.Device) for k in range(local_N.shape[0])])
 
 
-def flagged_rows(flag_N: jax.Array, sizes, take, zeros) -> tuple[jax.Array, ...]:
+def flagged_rows(flag_N: jax.Array, sizes, take, zeros, most: int | None = None) -> tuple[jax.Array, ...]:
     """Arrays [N, ...] holding, at each flagged entry, its rows from `take(positions [S]) -> arrays [S, ...]`
     (other entries: unspecified), through ONE branch of a lax.switch on the flagged count: `zeros()` when none is
     flagged; the smallest S of `sizes` that holds them (the flagged entries go first, in order, and are spread back
-    to their places on the device); else take(all N). One branch per layer, not one per entry: on the GPU each
-    conditional waits for its predicate on the host, and a per-entry cond made the h200 step 3.6 ms slower than
-    all-HBM for 1.2 host experts per token."""
+    to their places on the device); else take(all N), or take(`most` of them) when no more than `most` entries can
+    be flagged. One branch per layer, not one per entry: on the GPU each conditional waits for its predicate on the
+    host, and a per-entry cond made the h200 step 3.6 ms slower than all-HBM for 1.2 host experts per token."""
     N = flag_N.shape[0]
+    most = N if most is None else max(1, min(most, N))
     count = jnp.sum(flag_N.astype(jnp.int32))
 
     def compact(S):
@@ -95,8 +97,9 @@ def flagged_rows(flag_N: jax.Array, sizes, take, zeros) -> tuple[jax.Array, ...]
             return tuple(jnp.take(r, rank_N, axis=0) for r in rows_S)
         return branch
 
-    sizes = [S for S in sizes if S < N]
-    branches = [zeros] + [compact(S) for S in sizes] + [lambda: tuple(take(jnp.arange(N)))]
+    sizes = sorted({S for S in sizes if S < most})
+    last = (lambda: tuple(take(jnp.arange(N)))) if most == N else compact(most)
+    branches = [zeros] + [compact(S) for S in sizes] + [last]
     # Branch b (1 <= b <= len(sizes)) answers with sizes[b - 1] rows: the number of sizes below `count`, plus one.
     which = jnp.where(count == 0, 0, 1 + sum((count > S).astype(jnp.int32) for S in sizes))
     return jax.lax.switch(which, branches)
@@ -122,6 +125,15 @@ def host_selected_rows(tl: TieredLayer, local_N: jax.Array, on_host_N: jax.Array
 # the full V4.1 shape: 1.4 per call), and every row of the answer crosses from pageable host memory into the graph:
 # answering with all K rows (mostly zeros) moved 57 MB per layer where the streamed experts were 10-20.
 SSD_ANSWER_ROWS = (1, 2)
+
+
+def union_answer_rows(most: int) -> tuple[int, ...]:
+    """Compact answer sizes of a union's call (prefill group, layer-major verify) that can flag at most `most`
+    entries: SSD_ANSWER_ROWS, a quarter and a half of `most`; its last branch answers with `most` rows. On the H200
+    a 64-token lucebox prompt took 25-29 s on the full V4.1 shape (results/bench_decode_lean_nolook_v41_4L_h200.jsonl)
+    while each layer's union of 384 experts was answered with 384 rows (3.8 GB of fresh pageable memory, zeroed) for
+    the ~80 of them on the SSD."""
+    return SSD_ANSWER_ROWS + tuple(S for S in (-(-most // 4), -(-most // 2)) if 2 < S < most)
 
 
 def stack_shapes(tl: TieredLayer, n: int) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -157,10 +169,12 @@ def source_fetch(tl: TieredLayer, shapes: tuple):
     return fetch
 
 
-def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array) -> tuple[jax.Array, ...]:
+def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array, union: bool = False) -> tuple[jax.Array, ...]:
     """Raw rows [N, out, in] per stack of the entries flagged `on_ssd_N` (others: unspecified), through at most one
     host call (`source_fetch`): none when nothing is flagged, else one answering with the smallest of
-    SSD_ANSWER_ROWS rows that holds the flagged entries, or with all N (`flagged_rows`)."""
+    SSD_ANSWER_ROWS rows that holds the flagged entries, or with all N (`flagged_rows`). A `union` (distinct
+    experts) cannot flag more entries than the layer has SSD experts: its answers are sized by that bound
+    (`union_answer_rows`), not by N."""
     def take(pos):
         shapes = stack_shapes(tl, pos.shape[0])
         return io_callback(source_fetch(tl, shapes), shapes, idx_N[pos], on_ssd_N[pos])
@@ -168,6 +182,10 @@ def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array) -> tuple[ja
     def zeros():
         return tuple(jnp.zeros(s.shape, s.dtype) for s in stack_shapes(tl, idx_N.shape[0]))
 
+    N = idx_N.shape[0]
+    if union and tl.n_ssd is not None:
+        most = max(1, min(N, tl.n_ssd))
+        return flagged_rows(on_ssd_N, union_answer_rows(most), take, zeros, most)
     return flagged_rows(on_ssd_N, SSD_ANSWER_ROWS, take, zeros)
 
 
@@ -230,7 +248,7 @@ def place_experts(params: dict, stores, layout, host_fetch: str = "selected", le
                 tier_E=jnp.asarray(tier_LE[layer], jnp.int32), local_E=jnp.asarray(np.maximum(local_LE[layer], 0)),
                 lean_margin=jnp.float32(lean_margin),
                 layer=layer, source=stores.ssd if on_ssd else None, has_host=bool((tier_LE[layer] == 1).any()),
-                host_fetch=host_fetch)
+                host_fetch=host_fetch, n_ssd=int((tier_LE[layer] == 2).sum()))
         blocks.append(block)
     return {**params, "blocks": blocks}
 

@@ -228,8 +228,9 @@ def _bucket(n: int) -> int:
 
 
 # Answer buffers of SSD host calls kept for reuse (SsdStore._answer_buffers): sets per row count, and the largest
-# row count kept (decode answers; a prefill union's larger answers are allocated per call).
-ANSWER_RING, ANSWER_RING_MAX_ROWS = 4, 8
+# row count kept so (decode answers); larger answers (a prefill or verify union) take views of ANSWER_ARENAS sets
+# that grow to the largest answer asked for.
+ANSWER_RING, ANSWER_RING_MAX_ROWS, ANSWER_ARENAS = 4, 8, 2
 
 # Donating the slot array updates it in place: a refill must not cost a second copy of all slots.
 _set_rows = jax.jit(lambda a, i, v: a.at[i].set(v), donate_argnums=0)
@@ -264,6 +265,8 @@ class SsdStore(ExpertStore):
         self.stats = self.cache.stats
         self._answers: dict[int, list[list[np.ndarray]]] = {}  # rows -> ring of answer buffer sets (_answer_buffers)
         self._answer_turn: dict[int, int] = {}
+        self._arenas: list[list[np.ndarray]] = []  # large answers: views of these (_answer_buffers)
+        self._arena_turn = 0
         sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind=memory_kind)
         self.slots = {s.kind: _put(QTensor.from_raw(np.zeros((n_slots, s.expert_bytes), np.uint8), s.qtype,
                                                     (n_slots, *s.shape[1:])), sharding) for s in self.proto}
@@ -343,8 +346,15 @@ class SsdStore(ExpertStore):
         on first touch, several times the copy itself (about 4 ms per expert row against 0.4 ms reused, measured
         with numpy). A set is reused only ANSWER_RING calls of its size later; by then the graph has consumed it,
         since each answer feeds the layer whose output the later calls' routing (or the next step) depends on."""
-        if n > ANSWER_RING_MAX_ROWS:
-            return [np.empty((n, s.expert_bytes), np.uint8) for s in self.proto]
+        if n > ANSWER_RING_MAX_ROWS:  # a union's answer (up to the layer's SSD experts, ~1.3 GB on V4.1): the
+            # first n rows of an arena, so its pages fault once per run, not once per layer and group
+            turn = self._arena_turn % ANSWER_ARENAS
+            self._arena_turn += 1
+            if len(self._arenas) <= turn:
+                self._arenas.append([])
+            if not self._arenas[turn] or self._arenas[turn][0].shape[0] < n:
+                self._arenas[turn] = [np.empty((n, s.expert_bytes), np.uint8) for s in self.proto]
+            return [a[:n] for a in self._arenas[turn]]
         ring = self._answers.setdefault(n, [])
         turn = self._answer_turn.get(n, 0)
         self._answer_turn[n] = turn + 1
