@@ -28,6 +28,7 @@ CPU runs check the code path only (tests/test_bench_prefill.py): their timings a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -193,11 +194,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for profile, width in [(p, int(w)) for p in args.profiles.split(",") for w in args.decode_widths.split(",")]:
         engine = Engine.open(args.model, max_ctx=ctx, profile=None if profile == "all-hbm" else profile,
                              prefill_chunk=args.chunk, prefix_cache_bytes=args.cache_bytes, decode_width=width)
-        runs = [prefill_run(engine, profile, n, args.chunk, args.seed + i) for i, n in enumerate(lengths)]
+        # Each row is written as soon as it is measured: a device call that runs out of time keeps what finished.
+        runs = [functools.partial(prefill_run, engine, profile, n, args.chunk, args.seed + i)
+                for i, n in enumerate(lengths)]
         if turn:
-            runs.append(turn_run(engine, profile, turn[0], turn[1], args.seed + 100))
-        for r in runs:
-            r = {**r, **meta, "max_ctx": ctx, "load_s": round(engine.load_seconds, 2)}
+            runs.append(functools.partial(turn_run, engine, profile, turn[0], turn[1], args.seed + 100))
+        for run in runs:
+            r = {**run(), **meta, "max_ctx": ctx, "load_s": round(engine.load_seconds, 2)}
             line = json.dumps(r)
             print(line, flush=True)
             if args.out:
