@@ -316,6 +316,24 @@ def state_bytes(session) -> int:
     return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(session.state)))
 
 
+_COMPILES = [0]  # XLA compilations so far in this process (counted by a jax.monitoring listener)
+
+
+def _count_compiles() -> int:
+    """XLA compilations so far. A timed region must compile nothing: every row reports the compilations its
+    prefill and decode made, so a figure that includes compile time cannot pass unnoticed."""
+    if not getattr(_count_compiles, "listening", False):
+        from jax import monitoring
+
+        def on_event(name: str, *_args, **_kw) -> None:
+            if name == "/jax/core/compile/backend_compile_duration":
+                _COMPILES[0] += 1
+
+        monitoring.register_event_duration_secs_listener(on_event)
+        _count_compiles.listening = True
+    return _COMPILES[0]
+
+
 def _tier_snapshot(engine) -> dict:
     t = engine.tiers
     if t is None:
@@ -337,7 +355,7 @@ def run_profile(path: str, name: str, args, usage_path: str | None, stream: list
     jitted step and host round trip per token (`"step"`, the reference path). `prof` overrides the profile file
     (ladder rungs); `usage_path` None keeps the profile's own placement source."""
     from jds41.decode_loop import decode_forced
-    from jds41.engine import PREFILL_CHUNK, Engine
+    from jds41.engine import Engine
 
     if prof is None:
         prof = profile_json(name, args.arch, args.quant, args.workdir)
@@ -352,15 +370,20 @@ def run_profile(path: str, name: str, args, usage_path: str | None, stream: list
 
     ready_s = time.perf_counter() - t0
     log(f"{name}: ready in {ready_s:.1f} s")
-    warm = engine.session()  # compile the prefill chunk and the decode loop for these lengths
+    # Compile the pieces of the timed prefill (its first --prefill-piece tokens, then the same again after them:
+    # a later piece starts at another position but has the same shapes) and the decode loop. Until 8034809 this
+    # fed 32 tokens, so the timed prefill of a longer prompt compiled its layer-major piece: the prefill_tok_s of
+    # earlier rows include that compile (experiments/README.md).
+    warm = engine.session()
     t0 = time.perf_counter()
-    warm.feed(prompt[:PREFILL_CHUNK])
+    warm.feed(prompt[:args.prefill_piece])
     decode(warm)
     compile_s = time.perf_counter() - t0
     log(f"{name}: warm-up (compiles) {compile_s:.1f} s")
     del warm
 
     s = engine.session()
+    compiles0 = _count_compiles()
     t0 = time.perf_counter()
     fed = 0
     # In pieces of --prefill-piece tokens, stopping once --prefill-budget-s is spent: a profile that streams every
@@ -373,11 +396,13 @@ def run_profile(path: str, name: str, args, usage_path: str | None, stream: list
             break
     prefill_s = time.perf_counter() - t0
     log(f"{name}: prefill {fed} of {len(prompt)} tokens in {prefill_s:.1f} s")
+    compiles1 = _count_compiles()
     before = _tier_snapshot(engine)
     t0 = time.perf_counter()
     preds = decode(s)
     decode_s = time.perf_counter() - t0
     after = _tier_snapshot(engine)
+    compiles = {"prefill": compiles1 - compiles0, "decode": _count_compiles() - compiles1}
     n = len(stream) - 1
     dense, engram_row_bytes = static_bytes(engine)
     cfg = engine.cfg
@@ -385,7 +410,8 @@ def run_profile(path: str, name: str, args, usage_path: str | None, stream: list
            "prefill_tokens": fed, "prefill_tok_s": round(fed / prefill_s, 2),
            "decode_tokens": n, "decode_tok_s": round(n / decode_s, 2),
            "decode_ms_per_token": round(1e3 * decode_s / n, 3),
-           "predictions_sha256": hashlib.sha256(np.asarray(preds, np.int32).tobytes()).hexdigest()[:16]}
+           "predictions_sha256": hashlib.sha256(np.asarray(preds, np.int32).tobytes()).hexdigest()[:16],
+           "compiles_while_timed": compiles}
     sb = state_bytes(s)
     if engine.tiers is None:
         expert = sum(engine.gguf.tensors[f"blk.{i}.ffn_{k}_exps.weight"].n_bytes for i in range(cfg.n_layers)

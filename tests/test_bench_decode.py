@@ -40,6 +40,7 @@ def test_bench_decode_runs_and_profiles_agree(tmp_path, capsys):
         assert r["roofline_tok_s"] == pytest.approx(best, rel=1e-3)
         assert r["ratio"] == pytest.approx(r["decode_tok_s"] / r["roofline_tok_s"], rel=1e-2, abs=1e-4)
         assert r["decode_tokens"] == 6 and r["prefill_tokens"] == 40
+        assert r["compiles_while_timed"] == {"prefill": 0, "decode": 0}, r["profile"]  # timings exclude compiling
     host = runs[2]["tiers"]
     assert host["host_share"] == 1.0 and host["bytes_per_token"]["host"] > 0 and runs[2]["bytes_per_token"]["ssd"] == 0
     luce = runs[1]["tiers"]
