@@ -256,12 +256,14 @@ class Session:
             logits, self.state, *routing = run_piece(eng.plan, eng.params, self.state, how, chunk,
                                                      self._engram_rows(chunk), trace)
             self._record(routing)
-            out.append(logits if all_logits else logits[-1:])
+            if all_logits or i + n == len(tokens):
+                out.append(logits if all_logits else logits[-1:])
             self.tokens += chunk
             i += n
             if how != "step":  # a snapshot only where a piece ends: single steps end nowhere in particular
                 self._at_boundary(logits[-1])
-        result = np.asarray(jnp.concatenate(out), np.float32)
+        # joined on the host: a jitted concatenate compiles once per count of pieces, i.e. per prompt length
+        result = np.concatenate([np.asarray(o, np.float32) for o in out])
         return result if all_logits else result[-1]
 
     def generate(self, prompt: Sequence[int], max_new: int, sampling: SamplingParams = SamplingParams(),

@@ -43,6 +43,17 @@ def prompt_pieces(n_tokens: int, width: int, chunk: int, tiered: bool = False) -
     return pieces + [("step", 1)] * rest
 
 
+def piece_lengths(longest: int, width: int, chunk: int, tiered: bool = False) -> list[int]:
+    """Prompt lengths that, fed one per fresh session, run every distinct piece a feed of 1..`longest` tokens can
+    run (the shortest length that runs each): what a server compiles before it answers, so no request waits for
+    XLA. At width 1 and a 256-token feed: 1, 32, 64, 128, 256."""
+    first: dict[tuple[str, int], int] = {}
+    for n in range(1, longest + 1):
+        for piece in prompt_pieces(n, width, chunk, tiered):
+            first.setdefault(piece, n)
+    return sorted(set(first.values()))
+
+
 def _blocks(a, width: int):
     return None if a is None else a.reshape((-1, width, *a.shape[1:]))
 

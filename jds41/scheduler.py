@@ -62,6 +62,7 @@ from jds41.handles import (
     Token,
     Unavailable,
 )
+from jds41.prompt_pieces import piece_lengths
 
 __all__ = ["ContextTooLong", "Event", "Failed", "Finished", "GenRequest", "Handle", "QueueFull", "RequestError",
            "SamplingParams", "Scheduler", "SchedulerStats", "Token", "Unavailable"]
@@ -125,22 +126,38 @@ class Scheduler:
         self._dummy_rows = None if rows is None else rows[0]
 
     # ---- caller side ---------------------------------------------------------------------------------------
+    def _prompt_lengths(self) -> list[int]:
+        """Feeds that compile every prompt piece `_prefill` can run: it feeds at most `prefill_budget` tokens of a
+        prompt per iteration, and a prompt is shorter than the context."""
+        eng = self.engine
+        longest = min(self.prefill_budget, eng.max_ctx - 1)
+        return piece_lengths(longest, eng.plan.decode_width, eng.prefill_chunk, eng.tiers is not None)
+
     def warmup(self) -> None:
-        """Compile every program a request runs (prefill scan, one-token step, slot write, batched step) now,
-        e.g. while the server still answers 503 loading, so the first request does not pay for compilation."""
+        """Compile every program a request runs (each prompt piece: layer-major groups, scan, one-token step; slot
+        write, batched step, device loops) now, e.g. while the server still answers 503 loading, so no request
+        pays for compilation. Until now only the scan and the step were warmed: the first prompt of 64 tokens or
+        more compiled its layer-major piece (tens of seconds under lucebox on the H200) while clients waited."""
         if self._thread is not None:
             raise RuntimeError("warmup() must run before start()")
+        for n in self._prompt_lengths():
+            self.engine.session().feed([0] * n)
         session = self.engine.session()
-        session.feed([0] * min(PREFILL_CHUNK + 1, self.engine.max_ctx))  # one scan chunk, then one step
+        session.feed([0])  # the decode programs below, from a short context
         if self.own_sessions:  # the greedy device loop of the own-session lane (the one-token step is compiled above)
             greedy_generate(session, 0, self.draft_chunk + 1)
         else:
             states = batching.write_slot(batching.init_slots(self.engine.plan, self.n_slots), jnp.int32(0),
                                          session.state)
-            self._step(states, np.zeros(self.n_slots, np.int32), self._dummy_batch_rows())[0].block_until_ready()
+            logits, states = self._step(states, np.zeros(self.n_slots, np.int32), self._dummy_batch_rows())[:2]
+            # a slot written into the step's output (committed arrays, unlike init_slots' zeros) is another program
+            batching.write_slot(states, jnp.int32(0), session.state)
+            logits.block_until_ready()
         if self.drafter is not None:  # the speculative lane's prompt pieces and its device loop
             from jds41.speculative_loop import speculative_generate
 
+            for n in self._prompt_lengths():
+                self._spec_session().feed([0] * n)
             spec = self._spec_session()
             first = int(np.argmax(spec.feed([0] * min(PREFILL_CHUNK + 1, self.engine.max_ctx // 2))))
             speculative_generate(spec, spec.drafter, first, self.draft_chunk + 1)

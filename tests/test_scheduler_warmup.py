@@ -1,0 +1,49 @@
+"""Scheduler.warmup compiles every program serving runs: after it, prompts of any length (layer-major groups of 64,
+128 and 256 tokens, the scan, single steps, prompts fed over several iterations) compile nothing, at decode width
+1 and at width 2. XLA compilations are counted with jax.monitoring's backend-compile event, so nothing about which
+functions are jitted is assumed here. The warmed server's tokens are checked by the serving tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from jax import monitoring
+
+from jds41 import scheduler as S
+from jds41.engine import Engine
+
+CTX = 320
+COMPILES = [0]
+
+
+def _on_event(name: str, *_args, **_kw) -> None:
+    if name == "/jax/core/compile/backend_compile_duration":
+        COMPILES[0] += 1
+
+
+monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(8, 512, n).tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("width", [1, 2])
+def test_after_warmup_no_prompt_length_compiles(synthetic_model, width):
+    engine = Engine.open(str(synthetic_model("deepseek41", "tiny")), max_ctx=CTX, decode_width=width)
+    sched = S.Scheduler(engine, n_slots=2)
+    sched.warmup()
+    before = COMPILES[0]
+    sched.start()
+    try:
+        # 300 tokens take two iterations (256-token budget); 5 + 70 share one; 150 and 64 stand alone
+        lengths = (300, 5, 70, 150, 64, 33)
+        handles = [sched.submit(S.GenRequest(_prompt(i, n), 3, S.SamplingParams())) for i, n in enumerate(lengths)]
+        finished = [list(h.iter_events(timeout=300))[-1] for h in handles]
+    finally:
+        sched.stop()
+    assert all(isinstance(f, S.Finished) for f in finished), finished
+    assert [f.prompt_tokens for f in finished] == list(lengths)
+    assert COMPILES[0] == before, f"{COMPILES[0] - before} compilations while serving at width {width}"
