@@ -16,7 +16,9 @@ keeps every request's state in its own `Session` instead: the vmapped batched st
 call the SSD tier per slot, and a tiered step is bound by moving experts, which the slots would not share anyway.
 Each iteration then feeds each running request one token through the single-sequence step (sampled requests and
 logprobs), or runs up to `draft_chunk` tokens of the greedy device loop (jds41/decode_loop.greedy_generate) for a
-greedy one; their tokens are those of `Session.generate` bit for bit.
+greedy one; their tokens are those of `Session.generate` bit for bit. Its prompts are fed a whole prefill chunk per
+iteration by default (`default_prefill_budget`): each fed slice is its own layer-major group, which moves the union
+of its experts from host memory and the SSD, and a 256-token slice already touches nearly every expert of a layer.
 
 With a drafter (`serve --draft`), greedy requests without logprobs take the speculative lane instead: their prompt
 is read by a `SpeculativeSession` (which hands the drafter the target features), their state stays in that session
@@ -62,7 +64,7 @@ from jds41.handles import (
     Token,
     Unavailable,
 )
-from jds41.prompt_pieces import piece_lengths
+from jds41.prompt_pieces import chunk_tokens, piece_lengths
 
 __all__ = ["ContextTooLong", "Event", "Failed", "Finished", "GenRequest", "Handle", "QueueFull", "RequestError",
            "SamplingParams", "Scheduler", "SchedulerStats", "Token", "Unavailable"]
@@ -103,9 +105,19 @@ class _Slot:
     t_last: float = 0.0
 
 
+def default_prefill_budget(engine: Engine) -> int:
+    """Prompt tokens fed per iteration: PREFILL_BUDGET, or for a tiered engine at least one whole prefill chunk, so
+    a long prompt moves each layer's experts once per chunk as `generate` does, not once per 256 tokens (DESIGN.md
+    §9: 1K-token chunks touch nearly every expert each time)."""
+    if engine.tiers is None:
+        return PREFILL_BUDGET
+    return max(PREFILL_BUDGET, chunk_tokens(engine.prefill_chunk, engine.plan.decode_width))
+
+
 class Scheduler:
-    def __init__(self, engine: Engine, n_slots: int = 4, max_queue: int = 64, prefill_budget: int = PREFILL_BUDGET,
+    def __init__(self, engine: Engine, n_slots: int = 4, max_queue: int = 64, prefill_budget: int | None = None,
                  drafter=None, draft_chunk: int = DRAFT_CHUNK):
+        prefill_budget = default_prefill_budget(engine) if prefill_budget is None else prefill_budget
         if n_slots < 1 or max_queue < 0 or prefill_budget < 1 or draft_chunk < 1:
             raise ValueError("n_slots, prefill_budget and draft_chunk must be >= 1, max_queue >= 0")
         self.engine, self.n_slots, self.max_queue, self.prefill_budget = engine, n_slots, max_queue, prefill_budget

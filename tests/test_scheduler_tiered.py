@@ -55,3 +55,30 @@ def test_tiered_requests_equal_session_generate(synthetic_model, tmp_path):
             assert ids == expected, i
     assert all(t.logprob is not None and len(t.top) == 2 for t in results[3][:-1])
     assert engine.tiers.stores.ssd.stats.lookups > 0 and engine.tiers.lookups[1] > 0
+
+
+def test_a_tiered_scheduler_reads_a_prompt_chunk_in_one_group(synthetic_model, tmp_path, monkeypatch):
+    """A tiered engine's scheduler feeds a 300-token prompt in one slice (one layer-major group of 256, then the
+    scan and steps), so each layer's experts move once for it; a resident one feeds 256 tokens per iteration. The
+    tokens equal Session.generate either way."""
+    profile = tmp_path / "three-tiers.json"
+    profile.write_text(json.dumps(PROFILE))
+    model = str(synthetic_model("deepseek41", "tiny", "q8"))
+    prompt = np.random.default_rng(9).integers(8, 512, 300).tolist()
+    fed: list[int] = []
+    real_feed = S.Session.feed
+    monkeypatch.setattr(S.Session, "feed", lambda self, tokens, *a, **k: fed.append(len(tokens)) or
+                        real_feed(self, tokens, *a, **k))
+    for tiered, slices in ((True, [300]), (False, [256, 44])):
+        engine = Engine.open(model, max_ctx=320, profile=str(profile) if tiered else None)
+        want = list(engine.session().generate(prompt, 4, SamplingParams()))
+        sched = S.Scheduler(engine, n_slots=1)
+        assert sched.prefill_budget == (4096 if tiered else S.PREFILL_BUDGET)
+        fed.clear()
+        sched.start()
+        try:
+            *tokens, end = list(sched.submit(S.GenRequest(prompt, 4, SamplingParams())).iter_events(timeout=300))
+        finally:
+            sched.stop()
+        assert isinstance(end, S.Finished) and [t.id for t in tokens] == want, tiered
+        assert fed[:len(slices)] == slices, (tiered, fed)

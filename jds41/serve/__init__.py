@@ -36,6 +36,7 @@ class ServeOptions:
     load_delay_s: float = 0.0  # test hook: hold the load this long so the loading state can be observed
     warmup: bool = True  # compile the model's programs before /health turns 200
     prefill_chunk: int = 4096  # tokens per layer-major prefill group (jds41/prefill.py); 0 = token-major only
+    prefill_budget: int | None = None  # prompt tokens fed per scheduler iteration; None = default_prefill_budget
     decode_width: int = 1  # the engine's row width (jds41/block_step.py); --draft's block size + 1 verifies batched
     prefix_cache_bytes: int = 0  # host-memory budget of the prefix cache (jds41/prefix_cache.py); 0 = off
     prefix_cache_dir: str | None = None  # keep prefix snapshots here too, across restarts

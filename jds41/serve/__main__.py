@@ -40,6 +40,9 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
     ap.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 503 (default 64)")
     ap.add_argument("--prefill-chunk", type=int, default=4096,
                     help="prompt tokens per layer-major prefill group (default 4096; 0 = token-major only)")
+    ap.add_argument("--prefill-budget", type=int, default=None,
+                    help="prompt tokens fed per scheduler iteration, across requests (default 256; with a tiered "
+                    "profile one whole prefill chunk, so each chunk moves its experts once)")
     ap.add_argument("--prefix-cache-bytes", type=int, default=0,
                     help="host memory for prompt-prefix snapshots, in bytes (default 0 = no prefix cache)")
     ap.add_argument("--prefix-cache-dir", help="also keep prefix snapshots in this directory (survives restarts)")
@@ -62,13 +65,14 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
     if args.prefix_cache_dir is not None and args.prefix_cache_bytes <= 0:
         ap.error("--prefix-cache-dir needs --prefix-cache-bytes > 0 (the cache's byte budget)")
     for name, low in (("ctx", 2), ("slots", 1), ("max_queue", 0), ("prefill_chunk", 0), ("prefix_cache_bytes", 0),
-                      ("decode_width", 1)):
+                      ("decode_width", 1), ("prefill_budget", 1)):
         value = getattr(args, name)
         if value is not None and value < low:
             ap.error(f"--{name.replace('_', '-')} {value}: expected an integer >= {low}")
     return args.model, ServeOptions(host=args.host, port=args.port, api_key=args.api_key or None, ctx=args.ctx,
                                     slots=args.slots, max_queue=args.max_queue, profile=args.profile,
                                     draft=args.draft, load_delay_s=args.load_delay, prefill_chunk=args.prefill_chunk,
+                                    prefill_budget=args.prefill_budget,
                                     decode_width=args.decode_width,
                                     prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir)
 

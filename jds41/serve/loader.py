@@ -128,7 +128,8 @@ class ModelLoader:
             from jds41.speculative import DSparkDrafter
 
             drafter = DSparkDrafter.open(engine, o.draft)
-        scheduler = Scheduler(engine, n_slots=self.options.slots, max_queue=self.options.max_queue, drafter=drafter)
+        scheduler = Scheduler(engine, n_slots=self.options.slots, max_queue=self.options.max_queue, drafter=drafter,
+                              prefill_budget=self.options.prefill_budget)
         if self.options.warmup:
             self.phase = "compiling"  # every program a request runs, so the first client does not wait for XLA
             scheduler.warmup()
