@@ -132,7 +132,7 @@ def union_answer_rows(most: int) -> tuple[int, ...]:
     entries: SSD_ANSWER_ROWS, a quarter and a half of `most`; its last branch answers with `most` rows. Sized by N,
     a prefill group's call on the full V4.1 shape answered each layer's union of 384 experts with 384 rows (3.8 GB
     of fresh pageable memory, zeroed) for the 80-130 of them the SSD owns; bounded, a 64-token lucebox prompt's
-    calls answered 129 rows each on the H200 (experiments/results/bench_prefill_union_v41_4L_h200.jsonl)."""
+    calls answered 121 rows on average on the H200 (experiments/results/bench_prefill_union_v41_4L_h200.jsonl)."""
     return SSD_ANSWER_ROWS + tuple(S for S in (-(-most // 4), -(-most // 2)) if 2 < S < most)
 
 
