@@ -265,7 +265,7 @@ class SsdStore(ExpertStore):
         self.stats = self.cache.stats
         self._answers: dict[int, list[list[np.ndarray]]] = {}  # rows -> ring of answer buffer sets (_answer_buffers)
         self._answer_turn: dict[int, int] = {}
-        self._arenas: list[list[np.ndarray]] = []  # large answers: views of these (_answer_buffers)
+        self._arenas: list[list[np.ndarray]] = [[] for _ in range(ANSWER_ARENAS)]  # large answers: views of these
         self._arena_turn = 0
         sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind=memory_kind)
         self.slots = {s.kind: _put(QTensor.from_raw(np.zeros((n_slots, s.expert_bytes), np.uint8), s.qtype,
@@ -350,8 +350,6 @@ class SsdStore(ExpertStore):
             # first n rows of an arena, so its pages fault once per run, not once per layer and group
             turn = self._arena_turn % ANSWER_ARENAS
             self._arena_turn += 1
-            if len(self._arenas) <= turn:
-                self._arenas.append([])
             if not self._arenas[turn] or self._arenas[turn][0].shape[0] < n:
                 self._arenas[turn] = [np.empty((n, s.expert_bytes), np.uint8) for s in self.proto]
             return [a[:n] for a in self._arenas[turn]]
