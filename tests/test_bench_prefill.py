@@ -38,6 +38,8 @@ def test_bench_all_hbm_lines_and_agent_turn(tmp_path, capsys):
     _check_roofline(prefill)
     assert turn["kind"] == "agent_turn" and turn["cached_tokens"] == 24 and turn["prefix_cache"]["hits"] == 1
     assert turn["ttft_cached_s"] > 0 and turn["ttft_full_s"] > 0
+    # conversation_read_s is rounded to 0.1 ms
+    assert turn["conversation_tok_s"] == pytest.approx(24 / turn["conversation_read_s"], rel=0.02)
 
 
 @pytest.mark.slow
