@@ -252,13 +252,14 @@ class Session:
         if trace:
             eng.tiers.prefetch_tokens(tokens)  # token ids are known now: start the hash layers' SSD reads
         for how, n in prompt_pieces(len(tokens), eng.plan.decode_width, eng.prefill_chunk, trace):
-            chunk = tokens[i:i + n]
-            logits, self.state, *routing = run_piece(eng.plan, eng.params, self.state, how, chunk,
-                                                     self._engram_rows(chunk), trace)
+            piece = tokens[i:i + n]
+            logits, self.state, *routing = run_piece(eng.plan, eng.params, self.state, how, piece,
+                                                     self._engram_rows(piece), trace, (), all_logits,
+                                                     eng.prefill_chunk)
             self._record(routing)
             if all_logits or i + n == len(tokens):
                 out.append(logits if all_logits else logits[-1:])
-            self.tokens += chunk
+            self.tokens += piece
             i += n
             if how != "step":  # a snapshot only where a piece ends: single steps end nowhere in particular
                 self._at_boundary(logits[-1])

@@ -38,6 +38,9 @@ Static plan: the chunk length is static (shapes), the layer loop is unrolled in 
 function is jitted, so nothing is dispatched per layer at run time. The engine runs full chunks of
 `prefill_chunk` tokens and the rest in power-of-two pieces down to `LAYER_MAJOR_MIN` (`plan_pieces`), so at most
 1 + log2(chunk / LAYER_MAJOR_MIN) programs compile; a remainder below that goes through the token-major path.
+With tiered experts the rest is one group instead, read by the chunk's program with a traced `n_valid`: its row
+loops run n_valid trips (`row_loop`), so one more program serves every length (jds41/prompt_pieces.py says why).
+`last_logits` runs the output head for the last token only, which is all a prompt feed returns.
 """
 
 from __future__ import annotations
@@ -54,11 +57,29 @@ from jds41.layers.mhc import hc_collapse, hc_expand, hc_onehot_pre
 from jds41.layers.moe import routed_experts, shared_expert
 from jds41.layers.norm import rms_norm
 from jds41.layers.router import route
-from jds41.layers.rowwise import island
+from jds41.layers.rowwise import island, map_rows
 from jds41.quant import QTensor
 from jds41.tiers.experts import STACKS, TieredLayer, host_rows, host_selected_rows, prefetch_experts, ssd_rows
 
 LAYER_MAJOR_MIN = 64  # the smallest layer-major piece; shorter remainders run token-major (model.prefill/step)
+
+
+def row_loop(body, carry, xs: dict, n_valid=None):
+    """`lax.scan(body, carry, xs)`; with `n_valid` (a traced count) the same body over only the first n_valid rows
+    of xs (a while loop of n_valid trips), outputs of the rows after them left zero. The body is the one the scan
+    runs, so a row's values do not depend on which of the two ran it."""
+    if n_valid is None:
+        return jax.lax.scan(body, carry, xs)
+    T = jax.tree.leaves(xs)[0].shape[0]
+    row = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)  # noqa: E731
+    shapes = jax.eval_shape(lambda c, x: body(c, x)[1], carry, jax.tree.map(lambda a: row(a, 0), xs))
+    outs = jax.tree.map(lambda s: jnp.zeros((T, *s.shape), s.dtype), shapes)
+
+    def trip(i, c_outs):
+        c, y = body(c_outs[0], jax.tree.map(lambda a: row(a, i), xs))
+        return c, jax.tree.map(lambda o, v: jax.lax.dynamic_update_index_in_dim(o, v, i, 0), c_outs[1], y)
+
+    return jax.lax.fori_loop(0, n_valid, trip, (carry, outs))
 
 
 def plan_pieces(n_tokens: int, chunk: int, min_piece: int | None = None) -> tuple[list[int], int]:
@@ -155,11 +176,11 @@ def _route(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, h_D, token):
 
 
 def _attention_pass(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: list, xs: dict, shared_in: dict,
-                    feature: bool = False, state_out=None):
-    """Layer lp over the T tokens in order: Engram, attention sublayer, and the FFN's input and routing.
-    Returns (layer state after the group, per-token outputs [T, ...]). `feature`: also the block input after
-    Engram averaged over the hc copies ("feature", model.step's target feature); `state_out`: also
-    state_out(layer state after each token) ("state")."""
+                    feature: bool = False, state_out=None, n_valid=None):
+    """Layer lp over the T tokens in order (the first n_valid of them when given): Engram, attention sublayer, and
+    the FFN's input and routing. Returns (layer state after the group, per-token outputs [T, ...]). `feature`:
+    also the block input after Engram averaged over the hc copies ("feature", model.step's target feature);
+    `state_out`: also state_out(layer state after each token) ("state")."""
     cfg = plan.cfg
     w = params["blocks"][lp.index]
     source_st = layers[lp.kv_source] if 0 <= lp.kv_source != lp.index else None
@@ -189,15 +210,15 @@ def _attention_pass(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: li
         return new_st[lp.index], out
 
     xs = {**xs, "shared": shared_in}
-    return jax.lax.scan(body, layers[lp.index], xs)
+    return row_loop(body, layers[lp.index], xs, n_valid)
 
 
-def _ffn_pass(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict) -> jax.Array:
-    """Routed + shared experts and the FFN's mHC expand for the T tokens -> new stream [T, H, D]."""
+def _ffn_pass(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict, n_valid=None) -> jax.Array:
+    """Routed + shared experts and the FFN's mHC expand for the T tokens (the first n_valid) -> stream [T, H, D]."""
     cfg = plan.cfg
     limit = cfg.swiglu_limit[lp.index]
     if "routed" in w:
-        stacks, idx_TK = routed_stacks(w["routed"], a["idx"])
+        stacks, idx_TK = routed_stacks(w["routed"], _valid_rows(a["idx"], n_valid))
     else:
         stacks, idx_TK = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), a["idx"]
 
@@ -209,7 +230,16 @@ def _ffn_pass(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict) -> jax.Array
         return None, hc_expand(r["x"], y, r["post"], r["comb"])
 
     rows = {"h": a["h"], "idx": idx_TK, "weight": a["weight"], "x": a["x"], "post": a["post"], "comb": a["comb"]}
-    return jax.lax.scan(body, None, rows)[1]
+    return row_loop(body, None, rows, n_valid)[1]
+
+
+def _valid_rows(a_T, n_valid, fill=None):
+    """a_T with the rows from n_valid on replaced by row 0 (or by `fill`): rows that were never computed add no
+    expert to a union and no guess to a prefetch. Unchanged when n_valid is None."""
+    if n_valid is None:
+        return a_T
+    keep = (jnp.arange(a_T.shape[0]) < n_valid).reshape(-1, *([1] * (a_T.ndim - 1)))
+    return jnp.where(keep, a_T, a_T[0] if fill is None else fill)
 
 
 def _tree_key(step_key) -> str:
@@ -232,14 +262,22 @@ def _shared_inputs(lp: M.LayerPlan, produced: dict) -> dict:
 
 
 def layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
-                trace_routing: bool = False, feature_layers: tuple[int, ...] = (), state_out=None):
+                trace_routing: bool = False, feature_layers: tuple[int, ...] = (), state_out=None,
+                n_valid=None, last_logits: bool = False):
     """The layer-major pass, un-jitted (callable inside another jit, as model.step is): (logits [T, V], state,
     extras). `extras` holds only what was asked for, each with a leading T axis: "routing" (trace_routing: the
     step's routing trace), "features" (float32 [T, len(feature_layers), D], the step's target features) and
     "states" (`state_out` given: a list over layers of state_out(that layer's state after each token), e.g. the
-    speculative verify's per-position compressor leaves). Nothing is computed for an extra not asked for."""
+    speculative verify's per-position compressor leaves). Nothing is computed for an extra not asked for.
+
+    `n_valid` (traced): only the first n_valid tokens are read (a group shorter than its program: one program
+    serves every length up to T); the other rows of every output are zero and the state advances by n_valid.
+    `last_logits` (static): logits [1, V] of the last read token only; the output head reads the whole [V, D]
+    matrix per token, which for a 4,096-token group is the cost of 4,096 head products nobody reads."""
     cfg = plan.cfg
     T = tokens.shape[0]
+    if state_out is not None and n_valid is not None:
+        raise ValueError("layer_major: per-token states are kept only for a full group (n_valid None)")
     pos_T = state["pos"] + jnp.arange(T, dtype=jnp.int32)
     x = jax.lax.map(lambda t: jnp.broadcast_to(M.embed(params["token_embd"], t), (cfg.hc_mult, cfg.dim)), tokens)
     pre_prev = jnp.broadcast_to(hc_onehot_pre(cfg.hc_mult), (T, cfg.hc_mult))
@@ -253,7 +291,7 @@ def layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array,
         if lp.engram_slot >= 0:
             xs["engram"] = engram_rows[:, lp.engram_slot]
         layers[lp.index], a = _attention_pass(plan, lp, params, layers, xs, _shared_inputs(lp, produced),
-                                              lp.index in feature_layers, state_out)
+                                              lp.index in feature_layers, state_out, n_valid)
         produced.update(a["shared"])
         if lp.index in feature_layers:
             features[lp.index] = a["feature"]
@@ -261,13 +299,13 @@ def layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array,
             states.append(a["state"])
         nxt = lp.index + 1
         if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
-            prefetch_experts(params["blocks"][nxt]["routed"], a["guess"].reshape(-1))
-        x, pre_prev = _ffn_pass(plan, lp, w, a), a["pre"]
+            prefetch_experts(params["blocks"][nxt]["routed"], _valid_rows(a["guess"], n_valid, -1).reshape(-1))
+        x, pre_prev = _ffn_pass(plan, lp, w, a, n_valid), a["pre"]
         trace["experts"].append(a["idx"])
         trace["swaps"].append(a["swaps"])
         trace["predicted_next"].append(a["guess"])
 
-    logits = jax.lax.map(lambda r: M.output_head(cfg, params, r["x"], r["pre"]), {"x": x, "pre": pre_prev})
+    logits = head_rows(cfg, params, x, pre_prev, n_valid, last_logits)
     extras = {}
     if trace_routing:
         extras["routing"] = {k: jnp.stack(v, axis=1) for k, v in trace.items()}
@@ -275,15 +313,29 @@ def layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array,
         extras["features"] = jnp.stack([features[i] for i in feature_layers], axis=1)
     if state_out is not None:
         extras["states"] = states
-    return logits, {"pos": state["pos"] + T, "layers": layers}, extras
+    return logits, {"pos": state["pos"] + (T if n_valid is None else n_valid), "layers": layers}, extras
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
+def head_rows(cfg, params: dict, x_THD, pre_TH, n_valid=None, last_logits: bool = False) -> jax.Array:
+    """The output head of each row of a group's final stream: logits [T, V], rows from n_valid on zero; or, with
+    `last_logits`, of the last read row only, [1, V]. Rows run one at a time in a loop whose body sees one
+    position, as in decode (a single row too: rowwise.map_rows)."""
+    head = lambda _, r: (None, M.output_head(cfg, params, r["x"], r["pre"]))  # noqa: E731
+    if last_logits:
+        n = x_THD.shape[0] if n_valid is None else n_valid
+        last = {k: jax.lax.dynamic_slice_in_dim(v, n - 1, 1) for k, v in (("x", x_THD), ("pre", pre_TH))}
+        return map_rows(lambda r: head(None, r)[1], last)
+    return row_loop(head, None, {"x": x_THD, "pre": pre_TH}, n_valid)[1]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=2)
 def prefill_layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array, engram_rows=None,
-                        trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
+                        trace_routing: bool = False, feature_layers: tuple[int, ...] = (), last_logits: bool = False,
+                        n_valid=None):
     """Same contract as `model.prefill`: (logits [T, V], state[, routing][, features], each of the per-token
-    outputs with a leading T axis), bit-identical."""
-    logits, state, extras = layer_major(plan, params, state, tokens, engram_rows, trace_routing, feature_layers)
+    outputs with a leading T axis), bit-identical; `last_logits` and `n_valid` as in `layer_major`."""
+    logits, state, extras = layer_major(plan, params, state, tokens, engram_rows, trace_routing, feature_layers,
+                                        n_valid=n_valid, last_logits=last_logits)
     return (logits, state, *(extras[k] for k in ("routing", "features") if k in extras))
 
 

@@ -2,7 +2,12 @@
 
 At decode width 1 (the one-token step): layer-major groups of `chunk` tokens and power-of-two pieces
 (jds41/prefill.py), then token-major scans of SCAN_PIECE tokens (model.prefill), then single steps; all three are
-bit-identical to decode one token at a time. At width W > 1: pieces of whole W-row blocks (block_step.prefill_rows,
+bit-identical to decode one token at a time. With tiered experts the rest after the full groups, from
+LAYER_MAJOR_MIN tokens up, is one group instead ("layer-major-tail": the chunk's program reading only the first n
+rows): every layer-major group moves the union of its experts, nearly every expert of a layer from 64 tokens up, so
+a 200-token agent turn read as 128 + 64 + 8 steps moved them twice and stepped 8 tokens through the SSD (11.2 s
+to first token under lucebox on the H200, experiments/README.md), and the tail's one program replaces the
+power-of-two pieces' five compilations. At width W > 1: pieces of whole W-row blocks (block_step.prefill_rows,
 each block one row-batched pass) and the last n % W tokens one position at a time through the width-W decode;
 bit-identical to decoding the prompt one token at a time at width W (row uniformity: tests/test_block_step.py);
 with tiered experts the blocks of a group run layer-major (jds41/layer_major_rows.py), the same bits.
@@ -11,8 +16,11 @@ with tiered experts the blocks of a group run layer-major (jds41/layer_major_row
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jds41 import model as M
 from jds41 import prefill as PF
@@ -20,6 +28,7 @@ from jds41.block_step import decode_step_for, prefill_rows
 from jds41.layer_major_rows import prefill_layer_major_rows
 
 SCAN_PIECE = 32  # tokens per token-major scan call: one compiled program serves every prompt length
+TAIL = "layer-major-tail"  # a layer-major group shorter than the chunk, read by the chunk-sized program
 ROWS_MIN_BLOCKS = 8  # the smallest prefill_rows piece, in blocks; shorter remainders run one position at a time
 
 
@@ -29,12 +38,17 @@ def chunk_tokens(chunk: int, width: int) -> int:
 
 
 def prompt_pieces(n_tokens: int, width: int, chunk: int, tiered: bool = False) -> list[tuple[str, int]]:
-    """[(how, tokens)] in order, how in "layer-major", "scan", "rows", "layer-major-rows", "step" (one token).
+    """[(how, tokens)] in order, how in "layer-major", TAIL, "scan", "rows", "layer-major-rows", "step" (one token).
     At width W > 1 the groups of blocks run layer-major ("layer-major-rows": each layer's experts moved once per
     group) when experts are `tiered`, else block after block ("rows"); both give the same bits."""
     if width == 1:
         groups, rest = PF.plan_pieces(n_tokens, chunk)
-        pieces = [("layer-major", n) for n in groups] + [("scan", SCAN_PIECE)] * (rest // SCAN_PIECE)
+        if tiered and chunk > 0:
+            groups, rest = [chunk] * (n_tokens // chunk), n_tokens % chunk
+        pieces = [("layer-major", n) for n in groups]
+        if tiered and chunk > 0 and rest >= min(PF.LAYER_MAJOR_MIN, chunk):
+            pieces, rest = pieces + [(TAIL, rest)], 0
+        pieces += [("scan", SCAN_PIECE)] * (rest // SCAN_PIECE)
         rest %= SCAN_PIECE
     else:
         blocks = PF.plan_pieces(n_tokens // width, chunk_tokens(chunk, width) // width, ROWS_MIN_BLOCKS)[0]
@@ -49,8 +63,8 @@ def piece_lengths(longest: int, width: int, chunk: int, tiered: bool = False) ->
     XLA. At width 1 and a 256-token feed: 1, 32, 64, 128, 256."""
     first: dict[tuple[str, int], int] = {}
     for n in range(1, longest + 1):
-        for piece in prompt_pieces(n, width, chunk, tiered):
-            first.setdefault(piece, n)
+        for how, m in prompt_pieces(n, width, chunk, tiered):
+            first.setdefault((how, 0 if how == TAIL else m), n)  # every tail runs one program
     return sorted(set(first.values()))
 
 
@@ -59,8 +73,13 @@ def _blocks(a, width: int):
 
 
 def run_piece(plan: M.ModelPlan, params: dict, state: dict, how: str, tokens: list[int], engram_rows=None,
-              trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
-    """One piece: (logits [n, V], state[, routing][, features]), per-token outputs with a leading n axis."""
+              trace_routing: bool = False, feature_layers: tuple[int, ...] = (), all_logits: bool = True,
+              chunk: int = 0):
+    """One piece: (logits [n, V], state[, routing][, features]), per-token outputs with a leading n axis. Without
+    `all_logits` a layer-major piece gives the last token's logits only ([1, V]: its output head runs once, not
+    n times); other pieces give all n. A TAIL piece runs in the program of a `chunk`-token group."""
+    if how == TAIL:
+        return _run_tail(plan, params, state, tokens, engram_rows, trace_routing, feature_layers, all_logits, chunk)
     toks = jnp.asarray(tokens, jnp.int32)
     if how == "step":
         logits, state, *extra = decode_step_for(plan)(plan, params, state, toks[0],
@@ -71,5 +90,24 @@ def run_piece(plan: M.ModelPlan, params: dict, state: dict, how: str, tokens: li
         W = plan.decode_width
         run = prefill_rows if how == "rows" else prefill_layer_major_rows
         return run(plan, params, state, _blocks(toks, W), _blocks(engram_rows, W), trace_routing, feature_layers)
-    run = {"layer-major": PF.prefill_layer_major, "scan": M.prefill}[how]
-    return run(plan, params, state, toks, engram_rows, trace_routing, feature_layers)
+    if how == "layer-major":
+        return PF.prefill_layer_major(plan, params, state, toks, engram_rows, trace_routing, feature_layers,
+                                      not all_logits)
+    return M.prefill(plan, params, state, toks, engram_rows, trace_routing, feature_layers)
+
+
+def _run_tail(plan: M.ModelPlan, params: dict, state: dict, tokens: list[int], engram_rows, trace_routing: bool,
+              feature_layers: tuple[int, ...], all_logits: bool, chunk: int):
+    """A TAIL piece: the n tokens padded to `chunk` rows, read by prefill_layer_major with n_valid = n. Per-token
+    outputs come back cut to n rows on the host (a device slice would compile once per length)."""
+    n = len(tokens)
+    if not 0 < n <= chunk:
+        raise ValueError(f"a {n}-token tail does not fit a {chunk}-token group")
+    toks = jnp.asarray(list(tokens) + [0] * (chunk - n), jnp.int32)
+    if engram_rows is not None:
+        rows = np.asarray(engram_rows)
+        engram_rows = jnp.asarray(np.concatenate([rows, np.zeros((chunk - n, *rows.shape[1:]), rows.dtype)]))
+    logits, state, *extra = PF.prefill_layer_major(plan, params, state, toks, engram_rows, trace_routing,
+                                                   feature_layers, not all_logits, jnp.int32(n))
+    cut = functools.partial(jax.tree.map, lambda a: np.asarray(a)[:n])
+    return (cut(logits) if all_logits else logits, state, *(cut(e) for e in extra))

@@ -323,7 +323,8 @@ class SpeculativeSession(Session):
         for how, n in prompt_pieces(len(tokens), self.plan.decode_width, eng.prefill_chunk, trace):
             chunk = tokens[i:i + n]
             logits, self.state, *extra = run_piece(self.plan, eng.params, self.state, how, chunk,
-                                                   self._engram_rows(chunk), trace, self.feature_layers)
+                                                   self._engram_rows(chunk), trace, self.feature_layers, all_logits,
+                                                   eng.prefill_chunk)
             self._record(extra[:1] if trace else [])
             self._observe(extra, len(self.tokens), n)
             out.append(logits if all_logits else logits[-1:])
