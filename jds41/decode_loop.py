@@ -117,12 +117,13 @@ def greedy_generate(session, first_token: int, max_new: int, stop_ids=(), n_max:
     trace = eng.tiers is not None
     out, count, state, routing = _loop(eng.plan, n_max, rows_fn, trace, eng.params, session.state,
                                        jnp.int32(first_token), hist, n_hist, stop_arr, jnp.int32(max_new))
-    produced = [int(t) for t in np.asarray(out[:int(count)])]
+    # cut on the host: a device slice compiles once per length (the tiered server's lane stops at any count)
+    produced = [int(t) for t in np.asarray(out)[:int(count)]]
     fed = produced[:-1]  # every iteration fed the newest token and produced the next; the last is never fed
     session.state = state
     session.tokens += fed
     if trace and fed:
-        eng.tiers.record(jax.tree.map(lambda a: np.asarray(a[:len(fed)]), routing))
+        eng.tiers.record(jax.tree.map(lambda a: np.asarray(a)[:len(fed)], routing))
         eng.apply_lean_guard()
     return produced
 
@@ -148,7 +149,7 @@ def decode_forced(session, tokens) -> np.ndarray:
     session.state = state
     session.tokens += fed
     if trace and fed:
-        eng.tiers.record(jax.tree.map(lambda a: np.asarray(a[:len(fed)]), routing))
+        eng.tiers.record(jax.tree.map(lambda a: np.asarray(a)[:len(fed)], routing))
         eng.apply_lean_guard()
     return np.asarray(out[1:int(count)])
 

@@ -19,7 +19,6 @@ import time
 from collections.abc import Iterator, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jds41 import model as M
@@ -178,7 +177,7 @@ class Session:
     def _engram_rows(self, new_tokens: Sequence[int]) -> jax.Array | None:
         """Rows of every Engram layer for each new token, [T, n_layers, n_buckets, row_bytes] (uint8)."""
         rows = self.engine.engram_rows(new_tokens, self.tokens)
-        return None if rows is None else jnp.asarray(rows)
+        return None if rows is None else jax.device_put(rows)  # jnp.asarray compiles a copy per shape
 
     def _check(self, tokens: Sequence[int]) -> None:
         V = self.engine.vocab_size

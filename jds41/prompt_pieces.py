@@ -103,10 +103,11 @@ def _run_tail(plan: M.ModelPlan, params: dict, state: dict, tokens: list[int], e
     n = len(tokens)
     if not 0 < n <= chunk:
         raise ValueError(f"a {n}-token tail does not fit a {chunk}-token group")
-    toks = jnp.asarray(list(tokens) + [0] * (chunk - n), jnp.int32)
+    # built on the host and put on the device: jnp.asarray of a host array compiles a copy per shape
+    toks = jax.device_put(np.asarray(list(tokens) + [0] * (chunk - n), np.int32))
     if engram_rows is not None:
         rows = np.asarray(engram_rows)
-        engram_rows = jnp.asarray(np.concatenate([rows, np.zeros((chunk - n, *rows.shape[1:]), rows.dtype)]))
+        engram_rows = jax.device_put(np.concatenate([rows, np.zeros((chunk - n, *rows.shape[1:]), rows.dtype)]))
     logits, state, *extra = PF.prefill_layer_major(plan, params, state, toks, engram_rows, trace_routing,
                                                    feature_layers, not all_logits, jnp.int32(n))
     cut = functools.partial(jax.tree.map, lambda a: np.asarray(a)[:n])

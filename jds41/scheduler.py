@@ -174,10 +174,15 @@ class Scheduler:
             first = int(np.argmax(spec.feed([0] * min(PREFILL_CHUNK + 1, self.engine.max_ctx // 2))))
             speculative_generate(spec, spec.drafter, first, self.draft_chunk + 1)
 
+    def _fresh_slots(self) -> dict | None:
+        """The batched step's zeroed slot states; None when every request decodes in its own session (building
+        them compiles a small program per state leaf, which such a server never warms up)."""
+        return None if self.own_sessions else batching.init_slots(self.engine.plan, self.n_slots)
+
     def start(self) -> None:
         if self._thread is not None:
             return
-        self._states = batching.init_slots(self.engine.plan, self.n_slots)
+        self._states = self._fresh_slots()
         self._thread = threading.Thread(target=self._run, name="jds41-scheduler", daemon=True)
         self._thread.start()
         _RUNNING.add(self)
@@ -274,7 +279,7 @@ class Scheduler:
                         if s is not None:
                             self._fail(i, f"internal error: {e}")
                     self._update_gauges()
-                self._states = batching.init_slots(self.engine.plan, self.n_slots)
+                self._states = self._fresh_slots()
         self._shutdown()
 
     def _iteration(self) -> None:
@@ -386,7 +391,7 @@ class Scheduler:
             for i, s in enumerate(self._slots):
                 if s is not None and s.session is None and s.drafted is None and s.alone is None:
                     self._fail(i, f"decode failed: {e}")
-            self._states = batching.init_slots(self.engine.plan, self.n_slots)
+            self._states = self._fresh_slots()
             return
         for i in live:
             self._accept_guarded(i, logits[i])

@@ -330,7 +330,8 @@ class SpeculativeSession(Session):
             out.append(logits if all_logits else logits[-1:])
             self.tokens += chunk
             i += n
-        result = np.asarray(jnp.concatenate(out), np.float32)
+        # joined on the host, as Session.feed does: a jitted concatenate compiles once per count of pieces
+        result = np.concatenate([np.asarray(o, np.float32) for o in out])
         return result if all_logits else result[-1]
 
     def verify(self, last: int, drafts: Sequence[int]) -> list[int]:
