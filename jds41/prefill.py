@@ -233,13 +233,13 @@ def _ffn_pass(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict, n_valid=None
     return row_loop(body, None, rows, n_valid)[1]
 
 
-def _valid_rows(a_T, n_valid, fill=None):
-    """a_T with the rows from n_valid on replaced by row 0 (or by `fill`): rows that were never computed add no
-    expert to a union and no guess to a prefetch. Unchanged when n_valid is None."""
+def _valid_rows(a_T, n_valid):
+    """a_T with the rows from n_valid on replaced by row 0: rows that were never computed add no expert to a union
+    and no guess to a prefetch. Unchanged when n_valid is None."""
     if n_valid is None:
         return a_T
     keep = (jnp.arange(a_T.shape[0]) < n_valid).reshape(-1, *([1] * (a_T.ndim - 1)))
-    return jnp.where(keep, a_T, a_T[0] if fill is None else fill)
+    return jnp.where(keep, a_T, a_T[0])
 
 
 def _tree_key(step_key) -> str:
@@ -299,7 +299,7 @@ def layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array,
             states.append(a["state"])
         nxt = lp.index + 1
         if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
-            prefetch_experts(params["blocks"][nxt]["routed"], _valid_rows(a["guess"], n_valid, -1).reshape(-1))
+            prefetch_experts(params["blocks"][nxt]["routed"], _valid_rows(a["guess"], n_valid).reshape(-1))
         x, pre_prev = _ffn_pass(plan, lp, w, a, n_valid), a["pre"]
         trace["experts"].append(a["idx"])
         trace["swaps"].append(a["swaps"])
