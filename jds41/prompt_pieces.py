@@ -42,9 +42,10 @@ def prompt_pieces(n_tokens: int, width: int, chunk: int, tiered: bool = False) -
     At width W > 1 the groups of blocks run layer-major ("layer-major-rows": each layer's experts moved once per
     group) when experts are `tiered`, else block after block ("rows"); both give the same bits."""
     if width == 1:
-        groups, rest = PF.plan_pieces(n_tokens, chunk)
-        if tiered and chunk > 0:
+        if tiered and chunk > 0:  # full chunks, then (below) the rest as one TAIL group
             groups, rest = [chunk] * (n_tokens // chunk), n_tokens % chunk
+        else:
+            groups, rest = PF.plan_pieces(n_tokens, chunk)
         pieces = [("layer-major", n) for n in groups]
         if tiered and chunk > 0 and rest >= min(PF.LAYER_MAJOR_MIN, chunk):
             pieces, rest = pieces + [(TAIL, rest)], 0
