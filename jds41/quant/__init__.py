@@ -6,7 +6,7 @@ not re-exported here) writes valid blocks for tests and synthetic model files.
 """
 
 from jds41.quant.blocks import SUPPORTED_TYPES, block_size, dequantize, row_bytes
-from jds41.quant.qtensor import QTensor, qmatmul, qmatvec, qmatvec_experts
+from jds41.quant.qtensor import QTensor, qmatmul, qmatmul_expert, qmatvec, qmatvec_experts
 
 __all__ = [
     "SUPPORTED_TYPES",
@@ -14,6 +14,7 @@ __all__ = [
     "block_size",
     "dequantize",
     "qmatmul",
+    "qmatmul_expert",
     "qmatvec",
     "qmatvec_experts",
     "row_bytes",

@@ -16,7 +16,8 @@ touches a variadic reduce, XLA's loop emitter fuses the whole decode into it, an
 sums reach memory. Other platforms get the plain sum, which XLA:GPU fuses and runs 3-5x faster there (H200).
 tests/test_quant_hlo.py checks the compiled HLO on whichever backend runs it.
 
-Only `qmatmul` with several tokens dequantizes to an f32 copy and calls `dot`: the copy is shared by the tokens.
+Only `qmatmul` with several tokens and `qmatmul_expert` (one expert of a stack for a tile of rows, the grouped prompt
+pass of jds41/layers/grouped_experts.py) dequantize to an f32 copy and call `dot`: the copy is shared by the rows.
 
 Activation rounding (`QTensor.act_round`, opt-in, default None = products on the f32 activation as is): with
 "ggml-cpu" the products first round the activation the way llama.cpp's CPU backend does before its dot products,
@@ -211,6 +212,20 @@ def qmatmul(x_TD: jax.Array, w: QTensor, *, precision=lax.Precision.HIGHEST) -> 
         return qmatvec(x_TD[0], w)[None]
     w_OD = _values(w.data, w.qtype)
     return jnp.einsum("td,od->to", _act(x_TD, w), w_OD, precision=precision,
+                      preferred_element_type=jnp.float32)
+
+
+def qmatmul_expert(x_TI: jax.Array, w_stack: QTensor, expert: jax.Array, *,
+                   precision=lax.Precision.HIGHEST) -> jax.Array:
+    """y[t, o] = sum_i W[expert, o, i] x[t, i] -> f32 [T, out]; `w_stack` logical `[E, out, in]`, `expert` a
+    traced scalar. The one expert's raw rows are dequantized to f32 once and fed to a `dot` of the static shape
+    [T, in] x [in, out]: with T fixed, every call is the same kernel, whose row t depends on x[t] only."""
+    if x_TI.ndim != 2 or len(w_stack.data.shape) != 3:
+        raise ValueError(f"qmatmul_expert takes x[T, in] and w[E, out, in], got x{list(x_TI.shape)} and "
+                         f"w{list(w_stack.data.shape)}")
+    _check_in(x_TI, w_stack, "qmatmul_expert")
+    raw = lax.dynamic_index_in_dim(jnp.asarray(w_stack.data), expert, 0, keepdims=False)
+    return jnp.einsum("ti,oi->to", _act(x_TI, w_stack), _values(raw, w_stack.qtype), precision=precision,
                       preferred_element_type=jnp.float32)
 
 
