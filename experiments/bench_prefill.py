@@ -15,7 +15,11 @@ it to --out, default $OUT/bench_prefill.jsonl when $OUT is set):
   next to what the token-major scan would move for the same routing (from the routing trace, prefill.moved_bytes);
 - hbm bytes per token: the per-token arithmetic reads every dense weight and the token's K experts per layer (the
   layer-major pass keeps decode's per-token matvecs, which is what makes it bit-identical), so HBM traffic per
-  token is that of a decode step;
+  token is that of a decode step; with a prompt width R (--prompt-widths, the wide pass: grouped expert products)
+  the dense weights count once per R-row block and each expert of a group's union once per group (the floor of
+  the grouped products, which read an expert once per tile of R pairs);
+- flops per token (2 per weight a token multiplies: dense matrices and its K experts) and the compute bound at the
+  H200's 67 TFLOP/s of f32 (the wide pass multiplies in f32 at Precision.HIGHEST), reported beside the roofline;
 - roofline (DESIGN.md §8): tok/s no faster than 1 / max(bytes / bandwidth) over HBM 4.4 TB/s, PCIe 48 GB/s and
   SSD 1.9 GB/s (DESIGN.md §7), no slower than 1 / sum; and measured / roofline.
 The agent turn (--turn PREFIX,NEW): a PREFIX-token conversation is read and snapshotted (prompt end); then
@@ -50,18 +54,45 @@ BANDWIDTH = {"hbm": 4.4e12, "host": 48e9, "ssd": 1.9e9}  # bytes/s, DESIGN.md §
 LLAMACPP_8L = {"host_experts_tok_s": 158, "resident_tok_s": 5641}
 
 
-def hbm_bytes_per_token(engine: Engine) -> int:
+F32_FLOPS = 67e12  # H200 SXM f32 (non-tensor) FLOP/s, NVIDIA's data sheet
+
+
+def _dense(engine: Engine):
+    """(name, tensor) of the weights every token multiplies: not the experts, not the embedding or Engram tables
+    (a token reads one row of those)."""
+    for name, t in engine.gguf.tensors.items():
+        if not ("_exps." in name or name.endswith("engram_embd.weight") or name.startswith("token_embd")):
+            yield name, t
+
+
+def hbm_bytes_per_token(engine: Engine, union_bytes_per_token: float | None = None) -> int:
     """Bytes one token's arithmetic reads: every non-expert weight (the embedding: one row; Engram tables live on
     the host), plus K experts per routed layer. At decode width W a block of W rows reads the dense weights once,
-    so they count 1/W per token; experts still count K per token (a block's union holds at most W*K)."""
-    g, cfg = engine.gguf, engine.cfg
-    dense = 0
-    for name, t in g.tensors.items():
-        if "_exps." in name or name.endswith("engram_embd.weight"):  # experts counted below; tables on the host
-            continue
-        dense += t.row_bytes if name.startswith("token_embd") else t.n_bytes / engine.plan.decode_width
+    so they count 1/W per token; experts still count K per token (a block's union holds at most W*K). The wide
+    pass (prompt width R): dense weights 1/R, experts `union_bytes_per_token` (each union expert once per group)."""
+    g, cfg, plan = engine.gguf, engine.cfg, engine.plan
+    rows = plan.prompt_width or plan.decode_width
+    dense = sum(t.n_bytes for _, t in _dense(engine)) / rows + g.tensors["token_embd.weight"].row_bytes
+    if union_bytes_per_token is not None:
+        return round(dense + union_bytes_per_token)
     layout = ExpertLayout.from_model(g)
     return round(dense) + sum(cfg.n_experts_used * layout.expert_nbytes(layer) for layer in layout.layers)
+
+
+def flops_per_token(engine: Engine) -> int:
+    """2 per weight a token multiplies (dense matrices, its K experts per routed layer); attention scores left out."""
+    cfg = engine.cfg
+    dense = sum(int(np.prod(t.shape)) for _, t in _dense(engine))
+    experts = sum(int(np.prod(t.shape)) // cfg.n_experts for name, t in engine.gguf.tensors.items()
+                  if "_exps." in name)
+    return 2 * (dense + cfg.n_experts_used * experts)
+
+
+def union_bytes(engine: Engine, experts_TLK: np.ndarray) -> int:
+    """Bytes of every distinct expert a group's tokens chose, over its routed layers: what grouped products read."""
+    layout = ExpertLayout.from_model(engine.gguf)
+    return sum(len(np.unique(experts_TLK[:, i])) * layout.expert_nbytes(layer)
+               for i, layer in enumerate(layout.layers))
 
 
 def roofline(per_token: dict) -> dict:
@@ -86,11 +117,22 @@ def _traced(session) -> list:
     return traces
 
 
-def warm_up(engine: Engine, n: int, rng) -> float:
-    """Compile every program a feed of n tokens runs (each distinct piece once): seconds."""
-    distinct = set(prompt_pieces(n, engine.plan.decode_width, engine.prefill_chunk, engine.tiers is not None))
+def _traces(engine: Engine) -> bool:
+    """Whether a timed feed returns its routing: always with tiers; resident, for the wide pass's union bytes."""
+    return engine.tiers is not None or engine.plan.prompt_width > 0
+
+
+def warm_up(engine: Engine, *lengths: int, rng) -> float:
+    """Compile every program feeds of these lengths run: each distinct piece fed once, as its own feed (a piece's
+    length alone is cut into that piece), in one session: seconds."""
+    plan = engine.plan
+    distinct = {p for n in lengths for p in prompt_pieces(n, plan.decode_width, engine.prefill_chunk,
+                                                          engine.tiers is not None, plan.prompt_width)}
     t0 = time.perf_counter()
-    engine.session().feed(rng.integers(8, engine.vocab_size, sum(m for _, m in distinct)).tolist())
+    session = engine.session()
+    session.trace_routing = _traces(engine)  # the same programs as the timed feed
+    for _, m in sorted(distinct, key=lambda p: -p[1]):
+        session.feed(rng.integers(8, engine.vocab_size, m).tolist())
     return time.perf_counter() - t0
 
 
@@ -102,19 +144,21 @@ def _moved(tiers, how: str, width: int, experts_TLK: np.ndarray) -> dict:
         blocks = [PF.moved_bytes(tiers, b) for b in experts_TLK.reshape(-1, width, *experts_TLK.shape[1:])]
         return {k: sum(b[k] for b in blocks) for k in blocks[0]}
     m = PF.moved_bytes(tiers, experts_TLK)
-    return m if how.startswith("layer-major") else {**m, "host": m["host_token_major"], "ssd": m["ssd_token_major"]}
+    group = how.startswith("layer-major") or how.startswith("wide")
+    return m if group else {**m, "host": m["host_token_major"], "ssd": m["ssd_token_major"]}
 
 
 def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     width = engine.plan.decode_width
-    cut = prompt_pieces(n, width, chunk, engine.tiers is not None)
-    compile_s = warm_up(engine, n, rng)
+    cut = prompt_pieces(n, width, chunk, engine.tiers is not None, engine.plan.prompt_width)
+    compile_s = warm_up(engine, n, rng=rng)
     tiers = engine.tiers
     ssd = tiers.stores.ssd if tiers is not None else None
     ssd_before = ssd.stats.bytes if ssd is not None else 0
     session = engine.session()
     traces = _traced(session)
+    session.trace_routing = _traces(engine)
     prompt = rng.integers(8, engine.vocab_size, n).tolist()
     t0 = time.perf_counter()
     session.feed(prompt)
@@ -125,18 +169,21 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
             m = _moved(tiers, how, width, experts)
             for k in moved:
                 moved[k] += m[k]
-    per_token = {"hbm": hbm_bytes_per_token(engine), "host": moved["host"] / n, "ssd": moved["ssd"] / n}
+    union = sum(union_bytes(engine, t) for t in traces) / n if engine.plan.prompt_width else None
+    per_token = {"hbm": hbm_bytes_per_token(engine, union), "host": moved["host"] / n, "ssd": moved["ssd"] / n}
     roof = roofline(per_token)
+    flops = flops_per_token(engine)
     tok_s = n / seconds
     kinds = {how: sum(m for h, m in cut if h == how) for how, _ in cut}  # tokens per kind of piece
     return {"kind": "prefill", "profile": profile, "prompt_tokens": n, "chunk": chunk, "decode_width": width,
+            "prompt_width": engine.plan.prompt_width,
             "pieces": [m for how, m in cut if how not in ("scan", "step")], "tokens_by_piece": kinds,
             "seconds": round(seconds, 4), "tok_s": round(tok_s, 2),
             "compile_s": round(compile_s, 2),
             "bytes_per_token": {k: round(v) for k, v in per_token.items()},
             "token_major_bytes_per_token": {k: round(moved[k + "_token_major"] / n) for k in ("host", "ssd")},
             "ssd_read_bytes_per_token": round(((ssd.stats.bytes if ssd else 0) - ssd_before) / n),
-            "roofline": roof,
+            "roofline": roof, "flops_per_token": flops, "compute_bound_tok_s_f32": round(F32_FLOPS / flops, 1),
             "of_roofline": round(tok_s / roof["tok_s_overlapped"], 4) if roof["tok_s_overlapped"] else None,
             "vs_llamacpp_8l_host_experts": round(tok_s / LLAMACPP_8L["host_experts_tok_s"], 3),
             "tier_stats": tiers.stats() if tiers is not None else None}
@@ -150,7 +197,7 @@ def turn_run(engine: Engine, profile: str, prefix: int, new: int, seed: int) -> 
     cache = engine.prefix_cache
     # Every piece the three reads below run (the conversation's, the new tokens' after a resume, the re-read's)
     # compiles first, so the first read is a compile-free prefill of PREFIX tokens, reported as such.
-    warm_up(engine, prefix + new, rng)
+    warm_up(engine, prefix, new, prefix + new, rng=rng)
     first = engine.session()
     t0 = time.perf_counter()
     end = first.feed_prompt(conversation)  # turn 1 read
@@ -165,7 +212,8 @@ def turn_run(engine: Engine, profile: str, prefix: int, new: int, seed: int) -> 
     engine.session().feed(turn)
     full_s = time.perf_counter() - t0
     engine.prefix_cache = cache
-    return {"kind": "agent_turn", "profile": profile, "prefix_tokens": prefix, "new_tokens": new,
+    return {"kind": "agent_turn", "profile": profile, "prompt_width": engine.plan.prompt_width,
+            "prefix_tokens": prefix, "new_tokens": new,
             "conversation_read_s": round(read_s, 4), "conversation_tok_s": round(prefix / read_s, 2),
             "cached_tokens": resumed.cached_tokens, "ttft_cached_s": round(cached_s, 4),
             "ttft_full_s": round(full_s, 4), "speedup": round(full_s / cached_s, 2),
@@ -180,6 +228,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--chunk", type=int, default=4096, help="layer-major group size (at width W: whole W-row blocks)")
     ap.add_argument("--decode-widths", default="1", help="comma separated engine decode widths: the prompt is read "
                     "at the width the engine decodes at (jds41/prompt_pieces.py)")
+    ap.add_argument("--prompt-widths", default="0", help="comma separated prompt widths R (0: the decode width; "
+                    "R >= 2: the wide pass, grouped expert products, ModelPlan.prompt_width)")
     ap.add_argument("--turn", default="20000,200", help="PREFIX,NEW of the agent-turn TTFT ('' to skip)")
     ap.add_argument("--ctx", type=int, default=None, help="context (default: the longest prompt + 256)")
     ap.add_argument("--cache-bytes", type=int, default=32 << 30, help="prefix cache budget for the turn")
@@ -196,9 +246,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "device": str(jax.devices()[0]),
             "host": platform.node(), "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])])}
     results = []
-    for profile, width in [(p, int(w)) for p in args.profiles.split(",") for w in args.decode_widths.split(",")]:
+    for profile, width, prompt_width in [(p, int(w), int(r)) for p in args.profiles.split(",")
+                                         for w in args.decode_widths.split(",") for r in args.prompt_widths.split(",")]:
         engine = Engine.open(args.model, max_ctx=ctx, profile=None if profile == "all-hbm" else profile,
-                             prefill_chunk=args.chunk, prefix_cache_bytes=args.cache_bytes, decode_width=width)
+                             prefill_chunk=args.chunk, prefix_cache_bytes=args.cache_bytes, decode_width=width,
+                             prompt_width=prompt_width)
         # Each row is written as soon as it is measured: a device call that runs out of time keeps what finished.
         runs = [functools.partial(prefill_run, engine, profile, n, args.chunk, args.seed + i)
                 for i, n in enumerate(lengths)]

@@ -5,7 +5,8 @@
 Prompts are cut into pieces by jds41/prompt_pieces.py: at decode width 1, layer-major groups of `prefill_chunk`
 tokens (jds41/prefill.py: an expert outside HBM moves once per group), token-major scans and single steps, all
 bit-identical to decoding one token at a time; at decode width W, whole W-row blocks (one batched pass each) and
-single width-W steps, bit-identical to decoding one token at a time at width W.
+single width-W steps, bit-identical to decoding one token at a time at width W; with a prompt width R, R-row blocks
+with grouped expert products (the same bits however the prompt is cut, not decode's).
 With a prefix cache (jds41/prefix_cache.py) a fresh session resumes from the longest cached prefix of its prompt.
 
 Engram rows are known from token ids before a step runs, so the session hashes them on the host and reads them
@@ -67,13 +68,17 @@ class Engine:
     @classmethod
     def open(cls, path: str, max_ctx: int | None = None, numerics: str = "jds41", profile: str | None = None,
              usage: str | None = None, progress: bool = False, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-             prefix_cache_bytes: int = 0, prefix_cache_dir: str | None = None, decode_width: int = 1) -> Engine:
+             prefix_cache_bytes: int = 0, prefix_cache_dir: str | None = None, decode_width: int = 1,
+             prompt_width: int = 0) -> Engine:
         """Open a model; with `profile` (a shipped name or a JSON path) the routed experts are placed across HBM,
         pinned host memory and the SSD by it (`usage`: a usage.json overriding the profile's placement source).
         `prefill_chunk`: tokens per layer-major prefill group (0: token-major only); `prefix_cache_bytes` > 0
         keeps prompt snapshots in host memory (and in `prefix_cache_dir` when given, across restarts).
         `decode_width` W > 1 decodes every position through the W-row batched pass (jds41/block_step.py), the
-        numerics that a DSpark verify of W rows (block size W - 1) shares bit for bit; 1 is the one-token step."""
+        numerics that a DSpark verify of W rows (block size W - 1) shares bit for bit; 1 is the one-token step.
+        `prompt_width` R >= 2 reads prompts in R-row blocks with grouped expert products (ModelPlan.prompt_width:
+        many times faster prefill, the same bits for any cut of a prompt, not decode's bits); 0 reads them at the
+        decode width with decode's arithmetic."""
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         if numerics not in NUMERICS:
@@ -106,7 +111,8 @@ class Engine:
         params = jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, params)
         lean = tiers.profile.router_lean if tiers is not None else None
         plan = M.make_plan(cfg, ctx, lean_margin=lean.margin if lean is not None and lean.enabled else None,
-                           lookahead=tiers is not None and tiers.profile.lookahead_depth > 0, decode_width=decode_width)
+                           lookahead=tiers is not None and tiers.profile.lookahead_depth > 0, decode_width=decode_width,
+                           prompt_width=prompt_width)
         engine = cls(path, gguf, params, plan, Tokenizer.from_metadata(gguf.metadata, path), engram,
                      time.perf_counter() - t0, tiers)
         engine.load_stats = {"bytes": loaded.bytes, "seconds": round(loaded.seconds, 3),
@@ -171,6 +177,7 @@ class Session:
         self.tokens: list[int] = []
         self.expert_counts: np.ndarray | None = None  # per layer and expert, selections so far (tier profiles)
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache instead of computed
+        self.trace_routing = engine.tiers is not None  # pieces return their routing (tier stats; benchmarks)
         self._looked_up = False
 
     # ---- host-side inputs ----------------------------------------------------------------------------------
@@ -247,10 +254,11 @@ class Session:
         eng = self.engine
         out = []
         i = 0
-        trace = eng.tiers is not None
-        if trace:
+        trace = self.trace_routing
+        if eng.tiers is not None:
             eng.tiers.prefetch_tokens(tokens)  # token ids are known now: start the hash layers' SSD reads
-        for how, n in prompt_pieces(len(tokens), eng.plan.decode_width, eng.prefill_chunk, trace):
+        for how, n in prompt_pieces(len(tokens), eng.plan.decode_width, eng.prefill_chunk, eng.tiers is not None,
+                                    eng.plan.prompt_width):
             piece = tokens[i:i + n]
             logits, self.state, *routing = run_piece(eng.plan, eng.params, self.state, how, piece,
                                                      self._engram_rows(piece), trace, (), all_logits,

@@ -28,6 +28,7 @@ from jds41 import model as M
 from jds41 import prefill as PF
 from jds41.block_step import _attention_rows
 from jds41.layers.engram import engram_combine
+from jds41.layers.grouped_experts import grouped_routed_experts
 from jds41.layers.mhc import hc_collapse, hc_expand, hc_onehot_pre
 from jds41.layers.moe import routed_experts, shared_expert
 from jds41.layers.norm import rms_norm
@@ -35,9 +36,10 @@ from jds41.tiers.experts import prefetch_experts
 
 
 def _attention_blocks(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: list, xs: dict, shared_in: dict,
-                      feature: bool):
+                      feature: bool, keep_small: bool = False):
     """Layer lp over the N blocks in order: Engram, the attention sublayer for W rows at a time, the FFN's input and
-    routing. Returns (layer state after the group, per-block outputs [N, W, ...])."""
+    routing. Returns (layer state after the group, per-block outputs [N, W, ...]; with `keep_small` also the
+    compressor leaves after each row, "small", that a rollback takes)."""
     cfg = plan.cfg
     w = params["blocks"][lp.index]
     source_st = layers[lp.kv_source] if 0 <= lp.kv_source != lp.index else None
@@ -61,7 +63,9 @@ def _attention_blocks(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: 
         shared = {PF._step_key(k): v for k, v in b["shared"].items()}
         pre, post, comb = mix(x, "attn")
         h = collapse(x, b["pre_prev"] if cfg.hc_lag else pre, "attn_norm")
-        out, _ = _attention_rows(plan, lp, w, new_st, h, b["pos"], shared)
+        out, small = _attention_rows(plan, lp, w, new_st, h, b["pos"], shared)
+        if keep_small:
+            extra["small"] = small
         x = jax.vmap(hc_expand)(x, out, post, comb)
         pre_f, post_f, comb_f = mix(x, "ffn")
         h_f = collapse(x, pre if cfg.hc_lag else pre_f, "ffn_norm")
@@ -74,8 +78,10 @@ def _attention_blocks(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: 
     return jax.lax.scan(body, layers[lp.index], {**xs, "shared": shared_in})
 
 
-def _ffn_blocks(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict) -> jax.Array:
-    """Routed + shared experts and the FFN's mHC expand, W rows at a time, from the group's union -> [N, W, H, D]."""
+def _ffn_blocks(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict, tile: int = 0) -> jax.Array:
+    """Routed + shared experts and the FFN's mHC expand, W rows at a time, from the group's union -> [N, W, H, D].
+    `tile` 0: each row's experts by decode's per-row products; >= 2: the whole group's routed experts grouped by
+    expert in tiles of that many rows (layers/grouped_experts.py, the wide prompt pass)."""
     cfg = plan.cfg
     limit = cfg.swiglu_limit[lp.index]
     N, W, K = a["idx"].shape
@@ -84,23 +90,60 @@ def _ffn_blocks(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict) -> jax.Arr
         idx = idx.reshape(N, W, K)
     else:
         stacks, idx = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), a["idx"]
+    routed = None
+    if tile:
+        D = a["h"].shape[-1]
+        routed = grouped_routed_experts(a["h"].reshape(N * W, D), *stacks, idx.reshape(N * W, K),
+                                        a["weight"].reshape(N * W, K), limit, tile).reshape(N, W, D)
 
     def body(_, b):
-        y = jax.vmap(lambda h, i, wt: routed_experts(h, *stacks, i, wt, limit))(b["h"], b["idx"], b["weight"])
+        if tile:
+            y = b["routed"]
+        else:
+            y = jax.vmap(lambda h, i, wt: routed_experts(h, *stacks, i, wt, limit))(b["h"], b["idx"], b["weight"])
         if cfg.n_shared_experts:
             y = y + jax.vmap(lambda h: shared_expert(h, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"],
                                                      cfg.swiglu_limit_shexp[lp.index]))(b["h"])
         return None, jax.vmap(hc_expand)(b["x"], y, b["post"], b["comb"])
 
     blocks = {"h": a["h"], "idx": idx, "weight": a["weight"], "x": a["x"], "post": a["post"], "comb": a["comb"]}
+    if tile:
+        blocks["routed"] = routed
     return jax.lax.scan(body, None, blocks)[1]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=2)
 def prefill_layer_major_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: jax.Array,
                              engram_rows_NW=None, trace_routing: bool = False,
-                             feature_layers: tuple[int, ...] = ()):
-    """`block_step.prefill_rows`' contract, layer-major: (logits [N*W, V], state[, routing][, features])."""
+                             feature_layers: tuple[int, ...] = (), tile: int = 0):
+    """`block_step.prefill_rows`' contract, layer-major: (logits [N*W, V], state[, routing][, features]). `tile` >= 2
+    computes routed experts grouped by expert (the wide prompt pass: its own bits, the same for any cut)."""
+    logits, state, _small, *extra = _layer_major_rows(plan, params, state, tokens_NW, engram_rows_NW, trace_routing,
+                                                      feature_layers, tile, False)
+    return (logits, state, *extra)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6, 7), donate_argnums=2)
+def prefill_wide_rest(plan: M.ModelPlan, params: dict, state: dict, tokens_W: jax.Array, engram_rows_W,
+                      n_valid: jax.Array, trace_routing: bool = False, feature_layers: tuple[int, ...] = ()):
+    """The last n_valid (< R) tokens of a prompt read by the wide pass: one R-row block (the tokens, then padding)
+    whose state is rolled back to n_valid positions, as a speculative verify keeps its accepted rows
+    (speculative.rollback). Rows never depend on later rows, so the live rows get the bits they would get in any
+    other block. -> (logits [R, V], state[, routing][, features]); rows from n_valid on are padding."""
+    from jds41.speculative import _undo, rollback  # speculative imports this module's callers
+
+    R = tokens_W.shape[0]
+    undo = _undo(plan, state, state["pos"] + jnp.arange(R, dtype=jnp.int32))
+    logits, state, small, *extra = _layer_major_rows(plan, params, state, tokens_W[None],
+                                                     None if engram_rows_W is None else engram_rows_W[None],
+                                                     trace_routing, feature_layers, plan.prompt_width, True)
+    return (logits, rollback(plan, state, undo, small, n_valid), *extra)
+
+
+def _layer_major_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: jax.Array, engram_rows_NW,
+                      trace_routing: bool, feature_layers: tuple[int, ...], tile: int, keep_small: bool):
+    """(logits [N*W, V], state, small (per layer, leaves [W, ...] of the last block; None without keep_small)
+    [, routing][, features])."""
     cfg = plan.cfg
     N, W = tokens_NW.shape
     pos = state["pos"] + jnp.arange(N * W, dtype=jnp.int32).reshape(N, W)
@@ -110,26 +153,28 @@ def prefill_layer_major_rows(plan: M.ModelPlan, params: dict, state: dict, token
     layers = list(state["layers"])
     produced: dict = {}
     trace = {"experts": [], "swaps": [], "predicted_next": []}
-    features = {}
+    features, small = {}, []
     for lp in plan.layers:
         w = params["blocks"][lp.index]
         xs = {"x": x, "pre_prev": pre_prev, "pos": pos, "token": tokens_NW}
         if lp.engram_slot >= 0:
             xs["engram"] = engram_rows_NW[:, :, lp.engram_slot]
         layers[lp.index], a = _attention_blocks(plan, lp, params, layers, xs, PF._shared_inputs(lp, produced),
-                                                lp.index in feature_layers)
+                                                lp.index in feature_layers, keep_small)
         produced.update(a["shared"])
+        if keep_small:
+            small.append(jax.tree.map(lambda v: v[-1], a["small"]))
         if lp.index in feature_layers:
             features[lp.index] = a["feature"]
         nxt = lp.index + 1
         if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
             prefetch_experts(params["blocks"][nxt]["routed"], a["guess"].reshape(-1))
-        x, pre_prev = _ffn_blocks(plan, lp, w, a), a["pre"]
+        x, pre_prev = _ffn_blocks(plan, lp, w, a, tile), a["pre"]
         for k, v in (("experts", a["idx"]), ("swaps", a["swaps"]), ("predicted_next", a["guess"])):
             trace[k].append(v)
 
     logits = jax.lax.map(lambda b: jax.vmap(lambda x_HD, p: M.output_head(cfg, params, x_HD, p))(*b), (x, pre_prev))
-    out = (logits.reshape(N * W, -1), {"pos": state["pos"] + N * W, "layers": layers})
+    out = (logits.reshape(N * W, -1), {"pos": state["pos"] + N * W, "layers": layers}, small if keep_small else None)
     flat = functools.partial(jax.tree.map, lambda a: a.reshape((N * W, *a.shape[2:])))
     if trace_routing:
         out += (flat({k: jnp.stack(v, axis=2) for k, v in trace.items()}),)

@@ -76,15 +76,22 @@ class ModelPlan:
     # Decode row width (jds41/block_step.py): 1 = the one-token `step`; W > 1 = every decode step runs the W-row
     # batched pass with the token in row 0, the numerics a speculative verify of W rows shares bit for bit.
     decode_width: int = 1
+    # Prompt row width (jds41/layer_major_rows.py, "wide"): 0 = prompts are read at the decode width with decode's
+    # arithmetic; R >= 2 = prompts are read in R-row blocks, layer-major, with each group's routed experts computed
+    # expert by expert (jds41/layers/grouped_experts.py, tiles of R rows). Its own numerics: the same bits however a
+    # prompt is cut into pieces, not decode's bits.
+    prompt_width: int = 0
 
     def n_rows(self, ratio: int) -> int:
         return -(-self.max_ctx // ratio)
 
 
 def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None, lookahead: bool = False,
-              ring_slack: int = 0, decode_width: int = 1) -> ModelPlan:
+              ring_slack: int = 0, decode_width: int = 1, prompt_width: int = 0) -> ModelPlan:
     if decode_width < 1:
         raise ValueError(f"decode_width must be >= 1, got {decode_width}")
+    if prompt_width < 0 or prompt_width == 1:
+        raise ValueError(f"prompt_width must be 0 (the decode width) or >= 2, got {prompt_width}")
     layers = []
     for i in range(cfg.n_layers):
         r = cfg.ratio(i)
@@ -106,7 +113,8 @@ def make_plan(cfg: ModelConfig, max_ctx: int, lean_margin: float | None = None, 
             engram_slot=cfg.engram.layer_ids.index(i) if cfg.is_engram_layer(i) else -1,
             hash_layer=cfg.is_hash_layer(i)))
     return ModelPlan(cfg=cfg, max_ctx=max_ctx, layers=tuple(layers), lean_margin=lean_margin, lookahead=lookahead,
-                     ring_slack=max(ring_slack, decode_width - 1), decode_width=decode_width)
+                     ring_slack=max(ring_slack, decode_width - 1, prompt_width - 1), decode_width=decode_width,
+                     prompt_width=prompt_width)
 
 
 def init_state(plan: ModelPlan) -> dict:

@@ -12,6 +12,12 @@ each block one row-batched pass) and the last n % W tokens one position at a tim
 bit-identical to decoding the prompt one token at a time at width W (row uniformity: tests/test_block_step.py);
 with tiered experts the blocks of a group run layer-major (jds41/layer_major_rows.py), the same bits.
 `chunk` 0 is the reference path: every piece is token-major (width 1) or a single width-W step.
+
+With a prompt width R (ModelPlan.prompt_width >= 2) none of that: pieces of whole R-row blocks ("wide", groups of
+up to `chunk` tokens in power-of-two block counts), each read layer-major with the group's routed experts grouped by
+expert, and the last n % R tokens as one R-row block rolled back to them ("wide-rest"). Every row of that pass is
+the same whatever block, group or piece it is read in, so any cut of a prompt, a prefix-cache resume included,
+gives the same bits (tests/test_prompt_width.py); they are not decode's bits (layers/grouped_experts.py).
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ import numpy as np
 from jds41 import model as M
 from jds41 import prefill as PF
 from jds41.block_step import decode_step_for, prefill_rows
-from jds41.layer_major_rows import prefill_layer_major_rows
+from jds41.layer_major_rows import prefill_layer_major_rows, prefill_wide_rest
 
 SCAN_PIECE = 32  # tokens per token-major scan call: one compiled program serves every prompt length
 TAIL = "layer-major-tail"  # a layer-major group shorter than the chunk, read by the chunk-sized program
+WIDE_REST = "wide-rest"  # the last n % R tokens of a wide-pass prompt: one R-row block, rolled back to them
 ROWS_MIN_BLOCKS = 8  # the smallest prefill_rows piece, in blocks; shorter remainders run one position at a time
 
 
@@ -37,10 +44,17 @@ def chunk_tokens(chunk: int, width: int) -> int:
     return max(chunk // width, 1) * width if chunk > 0 else 0
 
 
-def prompt_pieces(n_tokens: int, width: int, chunk: int, tiered: bool = False) -> list[tuple[str, int]]:
-    """[(how, tokens)] in order, how in "layer-major", TAIL, "scan", "rows", "layer-major-rows", "step" (one token).
-    At width W > 1 the groups of blocks run layer-major ("layer-major-rows": each layer's experts moved once per
-    group) when experts are `tiered`, else block after block ("rows"); both give the same bits."""
+def prompt_pieces(n_tokens: int, width: int, chunk: int, tiered: bool = False,
+                  prompt_width: int = 0) -> list[tuple[str, int]]:
+    """[(how, tokens)] in order, how in "layer-major", TAIL, "scan", "rows", "layer-major-rows", "step" (one token),
+    or with a `prompt_width` R: "wide" and WIDE_REST. At width W > 1 the groups of blocks run layer-major
+    ("layer-major-rows": each layer's experts moved once per group) when experts are `tiered`, else block after
+    block ("rows"); both give the same bits."""
+    if prompt_width:
+        R = prompt_width
+        blocks = PF.plan_pieces(n_tokens // R, chunk_tokens(chunk, R) // R or 1, 1)[0]
+        pieces = [("wide", b * R) for b in blocks]
+        return pieces + ([(WIDE_REST, n_tokens % R)] if n_tokens % R else [])
     if width == 1:
         if tiered and chunk > 0:  # full chunks, then (below) the rest as one TAIL group
             groups, rest = [chunk] * (n_tokens // chunk), n_tokens % chunk
@@ -58,14 +72,14 @@ def prompt_pieces(n_tokens: int, width: int, chunk: int, tiered: bool = False) -
     return pieces + [("step", 1)] * rest
 
 
-def piece_lengths(longest: int, width: int, chunk: int, tiered: bool = False) -> list[int]:
+def piece_lengths(longest: int, width: int, chunk: int, tiered: bool = False, prompt_width: int = 0) -> list[int]:
     """Prompt lengths that, fed one per fresh session, run every distinct piece a feed of 1..`longest` tokens can
     run (the shortest length that runs each): what a server compiles before it answers, so no request waits for
     XLA. At width 1 and a 256-token feed: 1, 32, 64, 128, 256."""
     first: dict[tuple[str, int], int] = {}
     for n in range(1, longest + 1):
-        for how, m in prompt_pieces(n, width, chunk, tiered):
-            first.setdefault((how, 0 if how == TAIL else m), n)  # every tail runs one program
+        for how, m in prompt_pieces(n, width, chunk, tiered, prompt_width):
+            first.setdefault((how, 0 if how in (TAIL, WIDE_REST) else m), n)  # every tail runs one program
     return sorted(set(first.values()))
 
 
@@ -81,12 +95,18 @@ def run_piece(plan: M.ModelPlan, params: dict, state: dict, how: str, tokens: li
     n times); other pieces give all n. A TAIL piece runs in the program of a `chunk`-token group."""
     if how == TAIL:
         return _run_tail(plan, params, state, tokens, engram_rows, trace_routing, feature_layers, all_logits, chunk)
+    if how == WIDE_REST:
+        return _run_wide_rest(plan, params, state, tokens, engram_rows, trace_routing, feature_layers)
     toks = jnp.asarray(tokens, jnp.int32)
     if how == "step":
         logits, state, *extra = decode_step_for(plan)(plan, params, state, toks[0],
                                                       None if engram_rows is None else engram_rows[0],
                                                       trace_routing, feature_layers)
         return (logits[None], state, *(jax.tree.map(lambda a: a[None], e) for e in extra))
+    if how == "wide":
+        R = plan.prompt_width
+        return prefill_layer_major_rows(plan, params, state, _blocks(toks, R), _blocks(engram_rows, R), trace_routing,
+                                        feature_layers, R)
     if how in ("rows", "layer-major-rows"):
         W = plan.decode_width
         run = prefill_rows if how == "rows" else prefill_layer_major_rows
@@ -97,6 +117,29 @@ def run_piece(plan: M.ModelPlan, params: dict, state: dict, how: str, tokens: li
     return M.prefill(plan, params, state, toks, engram_rows, trace_routing, feature_layers)
 
 
+def _padded(tokens: list[int], engram_rows, rows: int):
+    """Tokens and Engram rows padded with zeros to `rows`, built on the host and put on the device (jnp.asarray of a
+    host array compiles a copy per shape)."""
+    n = len(tokens)
+    toks = jax.device_put(np.asarray(list(tokens) + [0] * (rows - n), np.int32))
+    if engram_rows is not None:
+        e = np.asarray(engram_rows)
+        engram_rows = jax.device_put(np.concatenate([e, np.zeros((rows - n, *e.shape[1:]), e.dtype)]))
+    return toks, engram_rows
+
+
+def _run_wide_rest(plan: M.ModelPlan, params: dict, state: dict, tokens: list[int], engram_rows,
+                   trace_routing: bool, feature_layers: tuple[int, ...]):
+    """A WIDE_REST piece: n < R tokens as one R-row block rolled back to n positions; outputs cut to n on the host."""
+    n, R = len(tokens), plan.prompt_width
+    if not 0 < n < R:
+        raise ValueError(f"a {n}-token rest does not fit under a {R}-row block")
+    toks, engram_rows = _padded(tokens, engram_rows, R)
+    out = prefill_wide_rest(plan, params, state, toks, engram_rows, jnp.int32(n), trace_routing, feature_layers)
+    cut = functools.partial(jax.tree.map, lambda a: np.asarray(a)[:n])
+    return (cut(out[0]), out[1], *(cut(e) for e in out[2:]))
+
+
 def _run_tail(plan: M.ModelPlan, params: dict, state: dict, tokens: list[int], engram_rows, trace_routing: bool,
               feature_layers: tuple[int, ...], all_logits: bool, chunk: int):
     """A TAIL piece: the n tokens padded to `chunk` rows, read by prefill_layer_major with n_valid = n. Per-token
@@ -104,11 +147,7 @@ def _run_tail(plan: M.ModelPlan, params: dict, state: dict, tokens: list[int], e
     n = len(tokens)
     if not 0 < n <= chunk:
         raise ValueError(f"a {n}-token tail does not fit a {chunk}-token group")
-    # built on the host and put on the device: jnp.asarray of a host array compiles a copy per shape
-    toks = jax.device_put(np.asarray(list(tokens) + [0] * (chunk - n), np.int32))
-    if engram_rows is not None:
-        rows = np.asarray(engram_rows)
-        engram_rows = jax.device_put(np.concatenate([rows, np.zeros((chunk - n, *rows.shape[1:]), rows.dtype)]))
+    toks, engram_rows = _padded(tokens, engram_rows, chunk)
     logits, state, *extra = PF.prefill_layer_major(plan, params, state, toks, engram_rows, trace_routing,
                                                    feature_layers, not all_logits, jnp.int32(n))
     cut = functools.partial(jax.tree.map, lambda a: np.asarray(a)[:n])

@@ -143,7 +143,8 @@ class Scheduler:
         prompt per iteration, and a prompt is shorter than the context."""
         eng = self.engine
         longest = min(self.prefill_budget, eng.max_ctx - 1)
-        return piece_lengths(longest, eng.plan.decode_width, eng.prefill_chunk, eng.tiers is not None)
+        return piece_lengths(longest, eng.plan.decode_width, eng.prefill_chunk, eng.tiers is not None,
+                             eng.plan.prompt_width)
 
     def warmup(self) -> None:
         """Compile every program a request runs (each prompt piece: layer-major groups, scan, one-token step; slot

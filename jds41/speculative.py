@@ -299,7 +299,8 @@ class SpeculativeSession(Session):
                                  f"width {int(drafter.block_size) + 1} (or 1)")
             self.verify_mode = "batched"
         self.k = int(drafter.block_size)
-        self.plan = dataclasses.replace(engine.plan, ring_slack=self.k)
+        # slack for the verify block, and for the wide prompt pass's rolled-back block (the plan's own slack)
+        self.plan = dataclasses.replace(engine.plan, ring_slack=max(self.k, engine.plan.ring_slack))
         self.state = M.init_state(self.plan)
         self.feature_layers = tuple(drafter.feature_layers)
         self.stats = DraftStats()
@@ -320,7 +321,8 @@ class SpeculativeSession(Session):
         out, i = [], 0
         if trace:
             eng.tiers.prefetch_tokens(tokens)
-        for how, n in prompt_pieces(len(tokens), self.plan.decode_width, eng.prefill_chunk, trace):
+        for how, n in prompt_pieces(len(tokens), self.plan.decode_width, eng.prefill_chunk, trace,
+                                    self.plan.prompt_width):
             chunk = tokens[i:i + n]
             logits, self.state, *extra = run_piece(self.plan, eng.params, self.state, how, chunk,
                                                    self._engram_rows(chunk), trace, self.feature_layers, all_logits,
