@@ -26,6 +26,8 @@ from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
 from jds41.quant import QTensor, qmatvec, qmatvec_experts
 
+HIGHEST = jax.lax.Precision.HIGHEST
+
 
 def init_ring(cfg: ModelConfig, slack: int = 0) -> dict[str, jax.Array]:
     return {"kv": jnp.zeros((cfg.window + slack, cfg.head_dim), jnp.float32),
@@ -63,13 +65,15 @@ def push_ring(ring: dict, kv: jax.Array, pos: jax.Array) -> dict:
 
 def attend(cfg: ModelConfig, w: dict, q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array) -> jax.Array:
     """Softmax over the valid keys plus the per-head sink (denominator only); returns [H, HD]."""
-    logits = jnp.einsum("hk,nk->hn", q_HK, keys_NK) * cfg.head_dim ** -0.5
+    # HIGHEST: XLA:GPU runs a DEFAULT-precision f32 dot in TF32 (10-bit mantissa); on the H200 that put the wide
+    # prompt pass 7e-4 away from decode on logits of size 4 (tests/test_prompt_width.py), where f32 keeps 2e-6.
+    logits = jnp.einsum("hk,nk->hn", q_HK, keys_NK, precision=HIGHEST) * cfg.head_dim ** -0.5
     logits = jnp.where(valid_N[None, :], logits, -jnp.inf)
     sink_H = w["attn_sinks"]
     top = jnp.maximum(jnp.max(logits, axis=1), sink_H)
     e = jnp.exp(logits - top[:, None])
     denom = jnp.sum(e, axis=1) + jnp.exp(sink_H - top)
-    return jnp.einsum("hn,nk->hk", e / denom[:, None], keys_NK)
+    return jnp.einsum("hn,nk->hk", e / denom[:, None], keys_NK, precision=HIGHEST)
 
 
 def output(cfg: ModelConfig, w: dict, o_HK: jax.Array, pos: jax.Array, freqs: jax.Array) -> jax.Array:
