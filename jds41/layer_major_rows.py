@@ -19,6 +19,7 @@ union stack holding the same raw bytes (tests/test_block_step.py checks logits, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -32,6 +33,8 @@ from jds41.layers.grouped_experts import grouped_routed_experts
 from jds41.layers.mhc import hc_collapse, hc_expand, hc_onehot_pre
 from jds41.layers.moe import routed_experts, shared_expert
 from jds41.layers.norm import rms_norm
+from jds41.layers.rowwise import island
+from jds41.quant.qtensor import rows_as_dots
 from jds41.tiers.experts import prefetch_experts
 
 
@@ -112,14 +115,16 @@ def _ffn_blocks(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict, tile: int 
     return jax.lax.scan(body, None, blocks)[1]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8), donate_argnums=2)
 def prefill_layer_major_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: jax.Array,
                              engram_rows_NW=None, trace_routing: bool = False,
-                             feature_layers: tuple[int, ...] = (), tile: int = 0):
+                             feature_layers: tuple[int, ...] = (), tile: int = 0, last_logits: bool = False):
     """`block_step.prefill_rows`' contract, layer-major: (logits [N*W, V], state[, routing][, features]). `tile` >= 2
-    computes routed experts grouped by expert (the wide prompt pass: its own bits, the same for any cut)."""
+    is the wide prompt pass: routed experts grouped by expert, every other product a row-batched `dot` (its own
+    bits, the same for any cut). `last_logits`: logits [1, V] of the last row only, from a head run on the last
+    block alone (the same kernels as every block's head, so the same bits as the last row of all the logits)."""
     logits, state, _small, *extra = _layer_major_rows(plan, params, state, tokens_NW, engram_rows_NW, trace_routing,
-                                                      feature_layers, tile, False)
+                                                      feature_layers, tile, False, last_logits)
     return (logits, state, *extra)
 
 
@@ -141,9 +146,18 @@ def prefill_wide_rest(plan: M.ModelPlan, params: dict, state: dict, tokens_W: ja
 
 
 def _layer_major_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: jax.Array, engram_rows_NW,
-                      trace_routing: bool, feature_layers: tuple[int, ...], tile: int, keep_small: bool):
-    """(logits [N*W, V], state, small (per layer, leaves [W, ...] of the last block; None without keep_small)
-    [, routing][, features])."""
+                      trace_routing: bool, feature_layers: tuple[int, ...], tile: int, keep_small: bool,
+                      last_logits: bool = False):
+    """(logits [N*W, V] or [1, V], state, small (per layer, leaves [W, ...] of the last block; None without
+    keep_small)[, routing][, features]). A tile (the wide pass) traces every one-token product as a `dot`."""
+    with rows_as_dots() if tile else contextlib.nullcontext():
+        return _layers_and_head(plan, params, state, tokens_NW, engram_rows_NW, trace_routing, feature_layers, tile,
+                                keep_small, last_logits)
+
+
+def _layers_and_head(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: jax.Array, engram_rows_NW,
+                     trace_routing: bool, feature_layers: tuple[int, ...], tile: int, keep_small: bool,
+                     last_logits: bool):
     cfg = plan.cfg
     N, W = tokens_NW.shape
     pos = state["pos"] + jnp.arange(N * W, dtype=jnp.int32).reshape(N, W)
@@ -173,8 +187,17 @@ def _layer_major_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: j
         for k, v in (("experts", a["idx"]), ("swaps", a["swaps"]), ("predicted_next", a["guess"])):
             trace[k].append(v)
 
-    logits = jax.lax.map(lambda b: jax.vmap(lambda x_HD, p: M.output_head(cfg, params, x_HD, p))(*b), (x, pre_prev))
-    out = (logits.reshape(N * W, -1), {"pos": state["pos"] + N * W, "layers": layers}, small if keep_small else None)
+    def head_block(b):
+        return jax.vmap(lambda x_HD, p: M.output_head(cfg, params, x_HD, p))(*b)
+
+    if not tile:  # the decode width's bits: those of block_step.prefill_rows
+        logits = jax.lax.map(head_block, (x, pre_prev))
+    elif last_logits:  # islands in both spellings: the last block alone compiles to the kernels of any block
+        logits = jax.lax.map(lambda b: island(head_block(island(b))), (x[-1:], pre_prev[-1:]))[0, -1:]
+    else:
+        logits = jax.lax.map(lambda b: island(head_block(island(b))), (x, pre_prev))
+    out = (logits.reshape(-1, logits.shape[-1]), {"pos": state["pos"] + N * W, "layers": layers},
+           small if keep_small else None)
     flat = functools.partial(jax.tree.map, lambda a: a.reshape((N * W, *a.shape[2:])))
     if trace_routing:
         out += (flat({k: jnp.stack(v, axis=2) for k, v in trace.items()}),)

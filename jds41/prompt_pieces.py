@@ -106,7 +106,7 @@ def run_piece(plan: M.ModelPlan, params: dict, state: dict, how: str, tokens: li
     if how == "wide":
         R = plan.prompt_width
         return prefill_layer_major_rows(plan, params, state, _blocks(toks, R), _blocks(engram_rows, R), trace_routing,
-                                        feature_layers, R)
+                                        feature_layers, R, not all_logits)
     if how in ("rows", "layer-major-rows"):
         W = plan.decode_width
         run = prefill_rows if how == "rows" else prefill_layer_major_rows

@@ -21,8 +21,9 @@ from gguf import GGMLQuantizationType as T
 
 from jds41.layers.grouped_experts import grouped_routed_experts, tile_plan
 from jds41.layers.moe import routed_experts
-from jds41.quant import QTensor
+from jds41.quant import QTensor, qmatvec, qmatvec_experts
 from jds41.quant import random_blocks as rb
+from jds41.quant.qtensor import rows_as_dots
 
 E, K, D, F = 12, 3, 256, 256  # 256: the K- and IQ-type blocks
 LIMIT = 7.0
@@ -120,3 +121,31 @@ def test_a_one_row_tile_is_refused():
     with pytest.raises(ValueError, match="at least 2 rows"):
         grouped_routed_experts(jnp.zeros((2, D)), gate, up, down, jnp.zeros((2, K), jnp.int32),
                                jnp.ones((2, K)), LIMIT, 1)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.IQ2_XXS], ids=lambda t: t.name)
+def test_rows_as_dots_spells_batched_products_as_one_matrix_product(qtype):
+    """The wide pass's dense products: under rows_as_dots a vmap of qmatvec / qmatvec_experts over rows is one
+    `dot_general` on the dequantized weight (no per-row multiply-and-sum), with the values of a float64
+    re-derivation from gguf-py's dequantizer; outside the context the decode spelling is back."""
+    rng = np.random.default_rng(3)
+    (gate, _, _), (gate64, _, _) = _stacks(rng, qtype)
+    x = rng.standard_normal((6, D)).astype(np.float32)
+    w = QTensor(gate.data[2], qtype, (F, D))
+    def rows(x):  # a new function per trace: jax caches a traced function's jaxpr, and the context is not its key
+        return jax.vmap(lambda r: qmatvec(r, w))(x)
+
+    def experts(x):
+        return jax.vmap(lambda r: qmatvec_experts(r, gate, jnp.asarray([4, 1], jnp.int32)))(x)
+
+    with rows_as_dots():
+        dense_jaxpr = str(jax.make_jaxpr(rows)(x))
+        expert_jaxpr = str(jax.make_jaxpr(experts)(x))
+        got, got_e = jax.jit(rows)(x), jax.jit(experts)(x)
+    assert "dot_general" in dense_jaxpr and "reduce_sum" not in dense_jaxpr
+    assert "dot_general" in expert_jaxpr and "reduce_sum" not in expert_jaxpr
+    assert "dot_general" not in str(jax.make_jaxpr(lambda x: rows(x))(x))  # the context is left: decode's spelling
+    want = x.astype(np.float64) @ gate64[2].T
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5 * np.abs(want).max())
+    want_e = np.einsum("ti,koi->tko", x.astype(np.float64), gate64[[4, 1]])
+    np.testing.assert_allclose(np.asarray(got_e), want_e, rtol=0, atol=2e-5 * np.abs(want_e).max())

@@ -18,6 +18,10 @@ tests/test_quant_hlo.py checks the compiled HLO on whichever backend runs it.
 
 Only `qmatmul` with several tokens and `qmatmul_expert` (one expert of a stack for a tile of rows, the grouped prompt
 pass of jds41/layers/grouped_experts.py) dequantize to an f32 copy and call `dot`: the copy is shared by the rows.
+The wide prompt pass also traces the one-token products under `rows_as_dots()`: there `qmatvec` and
+`qmatvec_experts` are spelled as a `dot` of the dequantized weight, so that `jax.vmap` over a block's rows turns
+them into one [rows, in] x [in, out] matrix product (f32, HIGHEST) instead of a multiply-and-sum per row, which
+recomputes the decode for every row and cannot use the GPU's matrix units.
 
 Activation rounding (`QTensor.act_round`, opt-in, default None = products on the f32 activation as is): with
 "ggml-cpu" the products first round the activation the way llama.cpp's CPU backend does before its dot products,
@@ -29,6 +33,8 @@ the K/IQ types (Q8_K rows of 256) are left unrounded, so "ggml-cpu" does not mat
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Any
@@ -182,6 +188,22 @@ def _row_dot(w_RI: jax.Array, x_RI: jax.Array) -> jax.Array:
     return lax.platform_dependent(w_RI * x_RI, cpu=_row_dot_xla_cpu, default=lambda p: jnp.sum(p, axis=-1))
 
 
+_ROWS_AS_DOTS = contextvars.ContextVar("jds41_rows_as_dots", default=False)
+
+
+@contextlib.contextmanager
+def rows_as_dots():
+    """Trace the one-token products inside this block as `dot`s of the dequantized weight (module docstring).
+
+    A trace-time setting: only jitted functions whose cache key already tells the two spellings apart may trace
+    under it (the wide prompt pass keys on its static tile). Per thread, like any context variable."""
+    token = _ROWS_AS_DOTS.set(True)
+    try:
+        yield
+    finally:
+        _ROWS_AS_DOTS.reset(token)
+
+
 def _check_in(x: jax.Array, w: QTensor, what: str) -> None:
     if x.shape[-1] != w.n_cols:
         raise ValueError(f"{what}: input has {x.shape[-1]} features, weight {w.qtype.name} rows have {w.n_cols}")
@@ -195,6 +217,9 @@ def qmatvec(x_in: jax.Array, w: QTensor) -> jax.Array:
     if x_in.ndim != 1 or len(w.data.shape) != 2:
         raise ValueError(f"qmatvec takes x[in] and a 2-d weight, got x{list(x_in.shape)} and w{list(w.data.shape)}")
     _check_in(x_in, w, "qmatvec")
+    if _ROWS_AS_DOTS.get():
+        return jnp.einsum("i,oi->o", _act(x_in, w), _values(w.data, w.qtype), precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
     return _row_dot(_values(w.data, w.qtype), _act(x_in, w))
 
 
@@ -245,5 +270,9 @@ def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array) -> 
         raise ValueError(f"qmatvec_experts: x has {x.shape[0]} rows for {K} experts")
     raw_KOR = jnp.take(jnp.asarray(w_stack.data), expert_idx_K, axis=0, mode="clip")
     w_KOI = _values(raw_KOR, w_stack.qtype)
+    if _ROWS_AS_DOTS.get():
+        spec = "ki,koi->ko" if x.ndim == 2 else "i,koi->ko"
+        return jnp.einsum(spec, _act(x, w_stack), w_KOI, precision=lax.Precision.HIGHEST,
+                          preferred_element_type=jnp.float32)
     x_KI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
     return _row_dot(w_KOI, x_KI[:, None, :])
