@@ -16,6 +16,10 @@ adds "draft" (acceptance rate, tokens per verify step, the verify mode). Greedy 
 one-token step: the numerics that a DSpark verify of W rows shares bit for bit, so with `--draft` (block size W-1)
 each verify block is ONE batched pass instead of W steps, and the tokens equal those of `--decode-width W` without
 `--draft`. (Width 1 and width W are each exact against themselves; they agree to float rounding, not bitwise.)
+
+`--prompt-width R` (R >= 2) reads the prompt in R-row blocks with each group's routed experts computed expert by
+expert (ModelPlan.prompt_width, jds41/layers/grouped_experts.py): several times faster prefill, bits that do not
+depend on how the prompt is cut, within f32 rounding of decode's arithmetic but not its bits.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                          "tiers the experts)")
     ap.add_argument("--decode-width", type=int, default=1,
                     help="decode through the W-row batched pass (with --draft: W = block size + 1, one-pass verify)")
+    ap.add_argument("--prompt-width", type=int, default=0,
+                    help="read the prompt in R-row blocks with grouped expert products (R >= 2: faster prefill, "
+                         "its own bits for any cut of the prompt; default 0: decode's arithmetic)")
     return ap.parse_args(argv)
 
 
@@ -83,8 +90,11 @@ def _prompt_ids(args: argparse.Namespace, engine: Engine) -> list[int]:
 def run(args: argparse.Namespace) -> dict:
     if args.decode_width < 1:
         raise Jds41Error(f"--decode-width must be >= 1, got {args.decode_width}")
+    if args.prompt_width < 0 or args.prompt_width == 1:
+        raise Jds41Error(f"--prompt-width must be 0 (the decode width) or >= 2, got {args.prompt_width}")
     engine = Engine.open(args.model, max_ctx=args.ctx, profile=args.profile, usage=args.usage, progress=True,
-                         prefill_chunk=args.prefill_chunk, decode_width=args.decode_width)
+                         prefill_chunk=args.prefill_chunk, decode_width=args.decode_width,
+                         prompt_width=args.prompt_width)
     prompt = _prompt_ids(args, engine)
     if not prompt:
         raise Jds41Error("the prompt is empty")

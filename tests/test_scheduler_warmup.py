@@ -1,6 +1,7 @@
 """Scheduler.warmup compiles every program serving runs: after it, prompts of any length (layer-major groups of 64,
 128 and 256 tokens, the scan, single steps, prompts fed over several iterations) compile nothing, at decode width
-1 and at width 2, and with tiered experts (whose prompt tails are groups of any length). XLA compilations are
+1 and at width 2, with prompts read at prompt width 8,
+and with tiered experts (whose prompt tails are groups of any length). XLA compilations are
 counted with jax.monitoring's backend-compile event, so nothing about which functions are jitted is assumed here.
 The warmed server's tokens are checked by the serving tests."""
 
@@ -37,15 +38,17 @@ SPLIT = {"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3, "placement_so
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("width,tiered", [(1, False), (2, False), (1, True)])
-def test_after_warmup_no_prompt_length_compiles(synthetic_model, tmp_path, width, tiered):
+@pytest.mark.parametrize("width,tiered,prompt_width", [(1, False, 0), (2, False, 0), (1, True, 0), (1, False, 8)])
+def test_after_warmup_no_prompt_length_compiles(synthetic_model, tmp_path, width, tiered, prompt_width):
     """Tiered (chunk 128, so a 256-token feed is two groups): the rest after full chunks is a tail group of any
-    length from 64 up (70, 64, 150's 22 tokens stay token-major), one program for every length."""
+    length from 64 up (70, 64, 150's 22 tokens stay token-major), one program for every length. Prompt width 8:
+    power-of-two groups of 8-row blocks and one rest program for every n % 8."""
     profile = None
     if tiered:
         profile = tmp_path / "split3.json"
         profile.write_text(json.dumps(SPLIT))
     engine = Engine.open(str(synthetic_model("deepseek41", "tiny")), max_ctx=CTX, decode_width=width,
+                         prompt_width=prompt_width,
                          profile=None if profile is None else str(profile), prefill_chunk=128 if tiered else 4096)
     sched = S.Scheduler(engine, n_slots=2)
     sched.warmup()

@@ -220,6 +220,7 @@ def test_broken_model_exits_nonzero_naming_the_tensor(tmp_path_factory, tmp_path
     (["--draft", "/nonexistent/draft.gguf"], "draft file not found: /nonexistent/draft.gguf"),
     (["--slots", "0"], "--slots 0"),
     (["--decode-width", "0"], "--decode-width 0: expected an integer >= 1"),
+    (["--prompt-width", "1"], "--prompt-width 1: expected 0"),
 ])
 def test_unusable_arguments_exit_2(tmp_path_factory, args, message):
     res = run_cli(tmp_path_factory, str(tiny_model(tmp_path_factory)), *args, timeout=30)

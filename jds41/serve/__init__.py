@@ -38,5 +38,6 @@ class ServeOptions:
     prefill_chunk: int = 4096  # tokens per layer-major prefill group (jds41/prefill.py); 0 = token-major only
     prefill_budget: int | None = None  # prompt tokens fed per scheduler iteration; None = default_prefill_budget
     decode_width: int = 1  # the engine's row width (jds41/block_step.py); --draft's block size + 1 verifies batched
+    prompt_width: int = 0  # R >= 2: prompts read in R-row blocks with grouped experts (ModelPlan.prompt_width)
     prefix_cache_bytes: int = 0  # host-memory budget of the prefix cache (jds41/prefix_cache.py); 0 = off
     prefix_cache_dir: str | None = None  # keep prefix snapshots here too, across restarts

@@ -49,6 +49,10 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
     ap.add_argument("--decode-width", type=int, default=1,
                     help="decode through the W-row batched pass (default 1); with --draft, the draft's block size + 1 "
                     "verifies each block in one pass (drafted tokens then equal `generate --decode-width W`)")
+    ap.add_argument("--prompt-width", type=int, default=0,
+                    help="read prompts in R-row blocks with each group's experts computed expert by expert (R >= 2; "
+                    "several times faster prefill, the same bits however a prompt is cut, not decode's bits; "
+                    "default 0: prompts read with decode's arithmetic)")
     ap.add_argument("--load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -64,6 +68,8 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
         ap.error(f"--port {args.port}: expected 0..65535")
     if args.prefix_cache_dir is not None and args.prefix_cache_bytes <= 0:
         ap.error("--prefix-cache-dir needs --prefix-cache-bytes > 0 (the cache's byte budget)")
+    if args.prompt_width < 0 or args.prompt_width == 1:
+        ap.error(f"--prompt-width {args.prompt_width}: expected 0 (prompts at the decode width) or an integer >= 2")
     for name, low in (("ctx", 2), ("slots", 1), ("max_queue", 0), ("prefill_chunk", 0), ("prefix_cache_bytes", 0),
                       ("decode_width", 1), ("prefill_budget", 1)):
         value = getattr(args, name)
@@ -73,7 +79,7 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
                                     slots=args.slots, max_queue=args.max_queue, profile=args.profile,
                                     draft=args.draft, load_delay_s=args.load_delay, prefill_chunk=args.prefill_chunk,
                                     prefill_budget=args.prefill_budget,
-                                    decode_width=args.decode_width,
+                                    decode_width=args.decode_width, prompt_width=args.prompt_width,
                                     prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir)
 
 
