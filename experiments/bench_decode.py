@@ -81,6 +81,13 @@ def _commit() -> str:
         return "unknown"
 
 
+def triton_kernels_on() -> bool:
+    """Whether decode's one-token products run as the Triton kernels on CUDA (JDS41_TRITON, quant/triton_matvec)."""
+    from jds41.quant import triton_matvec
+
+    return triton_matvec.ENABLED
+
+
 def _machine() -> str:
     import jax
 
@@ -500,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, a.prompt)]
     stream = [int(t) for t in rng.integers(0, cfg.vocab_size, a.decode + 1)]
     common = {"bench": "decode", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
-              "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "triton_kernels": triton_kernels_on(),
               "arch": a.arch, "size": a.size, "layers": a.layers, "quant": a.quant,
               "file_gib": round(os.path.getsize(path) / 2**30, 2), "write_s": round(write_s, 1),
               "routing": {"source": "zipf-fit selection bias" if a.skew_top10 > 0 else "random weights",

@@ -45,6 +45,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from jax import lax
 
+from jds41.quant import triton_matvec
 from jds41.quant.blocks import (
     FLOAT_TYPES,
     NATIVE_DTYPES,
@@ -220,7 +221,12 @@ def qmatvec(x_in: jax.Array, w: QTensor) -> jax.Array:
     if _ROWS_AS_DOTS.get():
         return jnp.einsum("i,oi->o", _act(x_in, w), _values(w.data, w.qtype), precision=lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
-    return _row_dot(_values(w.data, w.qtype), _act(x_in, w))
+    xla = lambda x_I, raw_OR: _row_dot(_values(raw_OR, w.qtype), _act(x_I, w))  # 2-d: no [1, out, in] form
+    if not _kernel_applies(w):
+        return xla(x_in, w.data)
+    kernel = lambda x_I, raw_OR: triton_matvec.rows_matvec(x_I[None], raw_OR[None], jnp.zeros(1, jnp.int32),
+                                                           w.qtype)[0]
+    return lax.platform_dependent(x_in, jnp.asarray(w.data), cuda=kernel, default=xla)
 
 
 def qmatmul(x_TD: jax.Array, w: QTensor, *, precision=lax.Precision.HIGHEST) -> jax.Array:
@@ -268,11 +274,36 @@ def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array) -> 
     K = expert_idx_K.shape[0]
     if x.ndim == 2 and x.shape[0] != K:
         raise ValueError(f"qmatvec_experts: x has {x.shape[0]} rows for {K} experts")
-    raw_KOR = jnp.take(jnp.asarray(w_stack.data), expert_idx_K, axis=0, mode="clip")
-    w_KOI = _values(raw_KOR, w_stack.qtype)
     if _ROWS_AS_DOTS.get():
+        w_KOI = _values(jnp.take(jnp.asarray(w_stack.data), expert_idx_K, axis=0, mode="clip"), w_stack.qtype)
         spec = "ki,koi->ko" if x.ndim == 2 else "i,koi->ko"
         return jnp.einsum(spec, _act(x, w_stack), w_KOI, precision=lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
-    x_KI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
-    return _row_dot(w_KOI, x_KI[:, None, :])
+
+    x_XI = x.reshape(-1, x.shape[-1])  # [1 or K, in]
+    if not _kernel_applies(w_stack):
+        raw_KOR = jnp.take(jnp.asarray(w_stack.data), expert_idx_K, axis=0, mode="clip")
+        return _row_dot(_values(raw_KOR, w_stack.qtype), _act(x_XI, w_stack)[:, None, :])
+    return rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype)
+
+
+def xla_rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype) -> jax.Array:
+    """The XLA spelling of the one-token product over raw rows: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i] ->
+    f32 [K, O], the selected rows gathered as bytes and decoded inside the multiply-reduce fusion. Every platform
+    but CUDA computes decode's products so; on CUDA it is the reference the Triton kernel is checked against."""
+    raw_KOR = jnp.take(raw_EOR, idx_K, axis=0, mode="clip")
+    return _row_dot(_values(raw_KOR, qtype), jnp.asarray(x_XI, jnp.float32)[:, None, :])
+
+
+def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype) -> jax.Array:
+    """`xla_rows_matvec`, computed on CUDA by the Triton kernel of triton_matvec (the choice is made when lowering:
+    one traced function serves every platform)."""
+    kernel = lambda x, raw, idx: triton_matvec.rows_matvec(x, raw, idx, qtype)
+    xla = lambda x, raw, idx: xla_rows_matvec(x, raw, idx, qtype)
+    return lax.platform_dependent(x_XI, raw_EOR, idx_K, cuda=kernel, default=xla)
+
+
+def _kernel_applies(w: QTensor) -> bool:
+    """The one-token product of `w` goes through the Triton kernel on CUDA (triton_matvec): its format has one, and
+    the activation is read as is (llama.cpp's activation rounding is a CPU oracle's numerics, kept in XLA)."""
+    return w.act_round is None and triton_matvec.supported(w.qtype)

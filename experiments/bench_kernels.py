@@ -1,0 +1,112 @@
+"""The one-token quantized products alone on the GPU: XLA's fused decode (`qtensor.xla_rows_matvec`, the reference)
+against the Triton kernel (`quant/triton_matvec.rows_matvec`) at the decode step's shapes, with each one's GB/s,
+share of HBM bandwidth and distance from the other. One JSON line per (shape, path, tile). Issue #5, item 4: the
+routed-expert product read MXFP4 at 7% of HBM bandwidth through XLA (experiments/README.md, step parts).
+
+    python experiments/bench_kernels.py [--reps 50] [--tiles] [--out FILE]
+
+Each timed call runs `--reps` products in one jitted `fori_loop`, the expert indices moving on every iteration so
+the rows come from HBM, not from the 60 MB L2 (a product of 6 Q8_0 experts is ~53 MB). `--tiles` also sweeps the
+kernel's tile (rows per program, blocks per step, warps) on the expert shapes. CPU runs check the code path only
+(the kernel then runs in Pallas' interpreter on a shrunk shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import BW, _commit, _machine, emit  # noqa: E402  (sibling script, run as a file)
+
+from jds41.quant import row_bytes  # noqa: E402
+from jds41.quant.qtensor import xla_rows_matvec  # noqa: E402
+from jds41.quant.random_blocks import random_quantized  # noqa: E402
+from jds41.quant.triton_matvec import rows_matvec  # noqa: E402
+
+# (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4 in
+# llama.cpp's layout, Q8_0 in the q8 one), its Q8_0 output head and the query up-projection (64 heads x 512).
+SHAPES = (
+    ("experts-gate-up", T.MXFP4, 256, 2048, 4096, 6, 1),
+    ("experts-down", T.MXFP4, 256, 4096, 2048, 6, 6),
+    ("experts-gate-up", T.Q8_0, 256, 2048, 4096, 6, 1),
+    ("experts-down", T.Q8_0, 256, 4096, 2048, 6, 6),
+    ("head", T.Q8_0, 1, 129280, 4096, 1, 1),
+    ("attn-q-b", T.Q8_0, 1, 32768, 1024, 1, 1),
+)
+TILES = [(bo, nb, w) for bo in (8, 16, 32, 64) for nb in (8, 16, 32) for w in (4, 8)]
+
+
+def _stack(rng, qtype, E: int, n_out: int, n_in: int) -> jax.Array:
+    """E random experts: one quantized block of at most 2048 rows written once and tiled over the rows and the
+    experts (the bytes, not their values, set the speed), so a 256-expert stack costs one small quantization."""
+    n = min(n_out, 2048)
+    one = random_quantized(rng, qtype, (1, n, n_in))
+    return jax.device_put(np.tile(one, (E, n_out // n, 1)))
+
+
+def _loop(product, reps: int, E: int, K: int):
+    def run(x, raw, idx0):
+        def body(i, acc):
+            idx = (idx0 + i * K) % E
+            return acc + jnp.sum(product(x, raw, idx))
+        return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
+    return jax.jit(run)
+
+
+def _seconds(fn, *args, repeats: int = 3) -> float:
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--tiles", action="store_true", help="also sweep the kernel's tile on the expert shapes")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    gpu = jax.default_backend() == "gpu"
+    rng = np.random.default_rng(0)
+    common = {"bench": "kernels", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
+              "reps": a.reps}
+    for name, qtype, E, n_out, n_in, K, X in SHAPES:
+        if not gpu:  # the interpreter is slow: a small stack of the same kind checks the path
+            E, n_out, n_in = min(E, 4), 64, 512
+        raw = _stack(rng, qtype, E, n_out, n_in)
+        x = jnp.asarray(rng.standard_normal((X, n_in)), jnp.float32)
+        idx0 = jnp.arange(K, dtype=jnp.int32)
+        nbytes = K * n_out * row_bytes(qtype, n_in)
+        shape = {"shape": name, "qtype": qtype.name, "experts": E, "out": n_out, "in": n_in, "k": K, "bytes": nbytes}
+        want = np.asarray(jax.jit(lambda x, r, i, q=qtype: xla_rows_matvec(x, r, i, q))(x, raw, idx0))
+        paths = [("xla", None)] + [("triton", None)] + ([("triton", t) for t in TILES] if a.tiles and E > 1 else [])
+        for path, tile in paths:
+            if path == "xla":
+                product = lambda x, r, i, q=qtype: xla_rows_matvec(x, r, i, q)
+            else:
+                product = lambda x, r, i, q=qtype, t=tile: rows_matvec(x, r, i, q, interpret=not gpu, tile=t)
+            try:
+                got = np.asarray(jax.jit(product)(x, raw, idx0))
+                s = _seconds(_loop(product, a.reps, E, K), x, raw, idx0) / a.reps
+            except Exception as e:  # a tile Triton cannot compile: report it and go on
+                emit({**common, **shape, "path": path, "tile": tile, "error": f"{type(e).__name__}: {e}"[:400]}, a.out)
+                continue
+            emit({**common, **shape, "path": path, "tile": tile, "us": round(s * 1e6, 2),
+                  "gb_per_s": round(nbytes / s / 1e9, 1), "hbm_share": round(nbytes / s / BW["hbm"], 4),
+                  "max_rel_diff_vs_xla": float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))}, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

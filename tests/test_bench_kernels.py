@@ -1,0 +1,30 @@
+"""experiments/bench_kernels.py on the CPU (its code path only: the kernel runs in Pallas' interpreter on shrunk
+shapes): one row per shape and path, every kernel row within f32 rounding of the XLA spelling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_bench_kernels_reports_both_paths_for_every_shape(tmp_path):
+    out = tmp_path / "kernels.jsonl"
+    res = subprocess.run([sys.executable, str(ROOT / "experiments" / "bench_kernels.py"), "--reps", "1",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_kernels import SHAPES
+
+    assert [(r["shape"], r["qtype"], r["path"]) for r in rows] == [
+        (name, qt.name, path) for name, qt, *_ in SHAPES for path in ("xla", "triton")]
+    for r in rows:
+        assert "error" not in r and r["us"] > 0 and r["bytes"] > 0
+        assert r["max_rel_diff_vs_xla"] < (1e-6 if r["path"] == "triton" else 1e-30)

@@ -1,0 +1,113 @@
+"""The Triton kernel of the one-token quantized products (jds41/quant/triton_matvec.py), the decode fast path on CUDA.
+
+On every machine: the kernel, run in Pallas' interpreter, against a float64 re-derivation from gguf-py's
+dequantizer (MXFP4 and Q8_0; x shared by the K experts and one x per expert; clamped indices; a tile that is not the
+default); and the wiring: lowered for CUDA, the products of `qmatvec_experts` and `qmatvec` are the Triton custom
+call, lowered for the CPU they are not, and llama.cpp's activation rounding keeps the XLA spelling everywhere.
+On a GPU (marker `gpu`): the compiled kernel at the V4-Flash shapes against the XLA spelling it replaces, and a
+vmapped kernel (row-batched decode) bit for bit against one call per row.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from jds41.quant import QTensor, qmatvec, qmatvec_experts
+from jds41.quant.qtensor import xla_rows_matvec
+from jds41.quant.random_blocks import random_quantized
+from jds41.quant.triton_matvec import BLOCK_BYTES, reference_rows_matvec, rows_matvec
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _case(qtype, E=5, n_out=24, n_in=1024, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng, random_quantized(rng, qtype, (E, n_out, n_in))
+
+
+def _rel(got, want):
+    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.parametrize("qtype", [T.MXFP4, T.Q8_0])
+@pytest.mark.parametrize("x_rows", ["shared", "per-expert"])
+def test_the_interpreted_kernel_equals_a_float64_reference(qtype, x_rows):
+    rng, raw = _case(qtype)
+    idx = np.array([4, 0, 2, 9, -3], np.int32)  # 9 and -3 clamp to the stack, as jnp.take(mode="clip") does
+    x = rng.standard_normal((1 if x_rows == "shared" else len(idx), 1024)).astype(np.float32)
+    want = reference_rows_matvec(x, raw, idx, qtype)
+    got = rows_matvec(jnp.asarray(x), jnp.asarray(raw), jnp.asarray(idx), qtype, interpret=True)
+    assert got.shape == (len(idx), raw.shape[1]) and got.dtype == jnp.float32
+    assert _rel(got, want) < 1e-6
+    # another tile sums the blocks in other groups: the same values to f32 rounding
+    other = rows_matvec(jnp.asarray(x), jnp.asarray(raw), jnp.asarray(idx), qtype, interpret=True, tile=(8, 4, 4))
+    assert _rel(other, want) < 1e-6
+
+
+def test_short_rows_and_odd_row_counts_take_smaller_tiles():
+    rng, raw = _case(T.MXFP4, E=2, n_out=12, n_in=64)  # 2 blocks per row, 12 rows: tile (4, 2)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    idx = np.array([1, 0], np.int32)
+    got = rows_matvec(jnp.asarray(x), jnp.asarray(raw), jnp.asarray(idx), T.MXFP4, interpret=True)
+    assert _rel(got, reference_rows_matvec(x, raw, idx, T.MXFP4)) < 1e-6
+    with pytest.raises(ValueError, match="rows of"):
+        rows_matvec(jnp.asarray(x[:, :32]), jnp.asarray(raw), jnp.asarray(idx), T.MXFP4, interpret=True)
+    with pytest.raises(ValueError, match="does not take"):
+        rows_matvec(jnp.asarray(x), jnp.asarray(raw), jnp.asarray(idx), T.Q4_K, interpret=True)
+
+
+def _lowered(fn, *args, platform: str) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("qtype", sorted(BLOCK_BYTES, key=lambda t: t.name))
+def test_decode_products_lower_to_the_kernel_on_cuda_only(qtype):
+    _, raw = _case(qtype, E=8, n_out=32, n_in=512)
+    stack = QTensor.from_raw(raw, qtype, (8, 32, 512))
+    dense = QTensor.from_raw(raw[0], qtype, (32, 512))
+    x, idx = jnp.ones(512, jnp.float32), jnp.arange(3, dtype=jnp.int32)
+    experts = lambda x, i: qmatvec_experts(x, stack, i)
+    for fn, args in ((experts, (x, idx)), (lambda x: qmatvec(x, dense), (x,))):
+        assert TRITON_CALL in _lowered(fn, *args, platform="cuda")
+        assert TRITON_CALL not in _lowered(fn, *args, platform="cpu")
+    rounded = QTensor.from_raw(raw, qtype, (8, 32, 512), act_round="ggml-cpu")  # the llama.cpp oracle's numerics
+    assert TRITON_CALL not in _lowered(lambda x, i: qmatvec_experts(x, rounded, i), x, idx, platform="cuda")
+    q4k = QTensor.from_raw(random_quantized(np.random.default_rng(1), T.Q4_K, (8, 32, 512)), T.Q4_K, (8, 32, 512))
+    assert TRITON_CALL not in _lowered(lambda x, i: qmatvec_experts(x, q4k, i), x, idx, platform="cuda")
+
+
+# V4-Flash's decode shapes: routed gate/up, routed down (one x per expert), the Q8_0 output head.
+GPU_SHAPES = [(T.MXFP4, 256, 2048, 4096, 1), (T.MXFP4, 256, 4096, 2048, 6), (T.Q8_0, 256, 2048, 4096, 1),
+              (T.Q8_0, 1, 129280, 4096, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype,E,n_out,n_in,X", GPU_SHAPES)
+def test_the_compiled_kernel_agrees_with_the_xla_spelling_on_the_gpu(qtype, E, n_out, n_in, X):
+    rng = np.random.default_rng(3)
+    one = random_quantized(rng, qtype, (1, min(n_out, 2048), n_in))
+    raw = jax.device_put(np.concatenate([np.tile(one, (1, n_out // one.shape[1], 1)) for _ in range(min(E, 8))]))
+    K = 6 if E > 1 else 1
+    idx = jnp.asarray(rng.integers(0, raw.shape[0], K), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((X if X > 1 else 1, n_in)), jnp.float32)
+    got = np.asarray(jax.jit(lambda x, r, i: rows_matvec(x, r, i, qtype))(x, raw, idx))
+    want = np.asarray(jax.jit(lambda x, r, i: xla_rows_matvec(x, r, i, qtype))(x, raw, idx))
+    assert np.isfinite(got).all() and _rel(got, want.astype(np.float64)) < 1e-5
+
+
+@pytest.mark.gpu
+def test_a_vmapped_kernel_gives_each_row_the_bits_of_its_own_call():
+    """Row-batched decode (jds41/block_step.py) vmaps the one-token products: each row must keep the bits of the
+    unbatched kernel, which is what keeps width-W decode exact against drafting at width W."""
+    rng, raw = _case(T.MXFP4, E=16, n_out=256, n_in=2048)
+    raw = jnp.asarray(raw)
+    xs = jnp.asarray(rng.standard_normal((5, 1, 2048)), jnp.float32)
+    idx = jnp.asarray(rng.integers(0, 16, (5, 6)), jnp.int32)
+    one = jax.jit(lambda x, i: rows_matvec(x, raw, i, T.MXFP4))
+    batched = np.asarray(jax.jit(jax.vmap(lambda x, i: rows_matvec(x, raw, i, T.MXFP4)))(xs, idx))
+    for r in range(5):
+        np.testing.assert_array_equal(batched[r], np.asarray(one(xs[r], idx[r])))
