@@ -6,7 +6,7 @@ routed-expert product read MXFP4 at 7% of HBM bandwidth through XLA (experiments
     python experiments/bench_kernels.py [--reps 50] [--tiles] [--out FILE]
 
 Each timed call runs `--reps` products in one jitted `fori_loop`, the expert indices moving on every iteration so
-the rows come from HBM, not from the 60 MB L2 (a product of 6 Q8_0 experts is ~53 MB). `--tiles` also sweeps the
+the rows come from HBM, not from the 60 MB L2 (6 MXFP4 experts of the down stack are ~53 MB). `--tiles` also sweeps the
 kernel's tile (rows per program, blocks per step, warps) on the expert shapes. CPU runs check the code path only
 (the kernel then runs in Pallas' interpreter on a shrunk shape).
 """
@@ -32,14 +32,11 @@ from jds41.quant.random_blocks import random_quantized  # noqa: E402
 from jds41.quant.triton_matvec import rows_matvec  # noqa: E402
 
 # (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4 in
-# llama.cpp's layout, Q8_0 in the q8 one), its Q8_0 output head and the query up-projection (64 heads x 512).
+# llama.cpp's layout), and one dense MXFP4 matrix of the model width.
 SHAPES = (
     ("experts-gate-up", T.MXFP4, 256, 2048, 4096, 6, 1),
     ("experts-down", T.MXFP4, 256, 4096, 2048, 6, 6),
-    ("experts-gate-up", T.Q8_0, 256, 2048, 4096, 6, 1),
-    ("experts-down", T.Q8_0, 256, 4096, 2048, 6, 6),
-    ("head", T.Q8_0, 1, 129280, 4096, 1, 1),
-    ("attn-q-b", T.Q8_0, 1, 32768, 1024, 1, 1),
+    ("dense", T.MXFP4, 1, 4096, 4096, 1, 1),
 )
 TILES = [(bo, nb, w) for bo in (8, 16, 32, 64) for nb in (8, 16, 32) for w in (4, 8)]
 

@@ -1,9 +1,10 @@
 """The Triton kernel of the one-token quantized products (jds41/quant/triton_matvec.py), the decode fast path on CUDA.
 
 On every machine: the kernel, run in Pallas' interpreter, against a float64 re-derivation from gguf-py's
-dequantizer (MXFP4 and Q8_0; x shared by the K experts and one x per expert; clamped indices; a tile that is not the
-default); and the wiring: lowered for CUDA, the products of `qmatvec_experts` and `qmatvec` are the Triton custom
-call, lowered for the CPU they are not, and llama.cpp's activation rounding keeps the XLA spelling everywhere.
+dequantizer (MXFP4; x shared by the K experts and one x per expert; clamped indices; a tile that is not the
+default; every nibble code, subnormal-free); and the wiring: lowered for CUDA, the MXFP4 products of
+`qmatvec_experts` and `qmatvec` are the Triton custom call, lowered for the CPU they are not, and other formats,
+stacks past 2^31 bytes and llama.cpp's activation rounding keep the XLA spelling everywhere.
 On a GPU (marker `gpu`): the compiled kernel at the V4-Flash shapes against the XLA spelling it replaces, and a
 vmapped kernel (row-batched decode) bit for bit against one call per row.
 """
@@ -19,7 +20,7 @@ from gguf import GGMLQuantizationType as T
 from jds41.quant import QTensor, qmatvec, qmatvec_experts
 from jds41.quant.qtensor import xla_rows_matvec
 from jds41.quant.random_blocks import random_quantized
-from jds41.quant.triton_matvec import BLOCK_BYTES, reference_rows_matvec, rows_matvec
+from jds41.quant.triton_matvec import _e2m1_doubled, reference_rows_matvec, rows_matvec
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -33,9 +34,16 @@ def _rel(got, want):
     return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
 
 
-@pytest.mark.parametrize("qtype", [T.MXFP4, T.Q8_0])
+def test_every_nibble_decodes_to_ggmls_doubled_e2m1_value():
+    want = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)  # ggml's kvalues_mxfp4
+    q = jnp.arange(256, dtype=jnp.uint32)
+    np.testing.assert_array_equal(np.asarray(_e2m1_doubled(q, 0)), np.tile(want, 16))
+    np.testing.assert_array_equal(np.asarray(_e2m1_doubled(q, 4)), np.repeat(want, 16))
+
+
 @pytest.mark.parametrize("x_rows", ["shared", "per-expert"])
-def test_the_interpreted_kernel_equals_a_float64_reference(qtype, x_rows):
+def test_the_interpreted_kernel_equals_a_float64_reference(x_rows):
+    qtype = T.MXFP4
     rng, raw = _case(qtype)
     idx = np.array([4, 0, 2, 9, -3], np.int32)  # 9 and -3 clamp to the stack, as jnp.take(mode="clip") does
     x = rng.standard_normal((1 if x_rows == "shared" else len(idx), 1024)).astype(np.float32)
@@ -57,32 +65,32 @@ def test_short_rows_and_odd_row_counts_take_smaller_tiles():
     with pytest.raises(ValueError, match="rows of"):
         rows_matvec(jnp.asarray(x[:, :32]), jnp.asarray(raw), jnp.asarray(idx), T.MXFP4, interpret=True)
     with pytest.raises(ValueError, match="does not take"):
-        rows_matvec(jnp.asarray(x), jnp.asarray(raw), jnp.asarray(idx), T.Q4_K, interpret=True)
+        rows_matvec(jnp.asarray(x), jnp.asarray(raw), jnp.asarray(idx), T.Q8_0, interpret=True)
 
 
 def _lowered(fn, *args, platform: str) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
-@pytest.mark.parametrize("qtype", sorted(BLOCK_BYTES, key=lambda t: t.name))
-def test_decode_products_lower_to_the_kernel_on_cuda_only(qtype):
-    _, raw = _case(qtype, E=8, n_out=32, n_in=512)
-    stack = QTensor.from_raw(raw, qtype, (8, 32, 512))
-    dense = QTensor.from_raw(raw[0], qtype, (32, 512))
+def test_decode_products_lower_to_the_kernel_on_cuda_only():
+    _, raw = _case(T.MXFP4, E=8, n_out=32, n_in=512)
+    stack = QTensor.from_raw(raw, T.MXFP4, (8, 32, 512))
+    dense = QTensor.from_raw(raw[0], T.MXFP4, (32, 512))
     x, idx = jnp.ones(512, jnp.float32), jnp.arange(3, dtype=jnp.int32)
-    experts = lambda x, i: qmatvec_experts(x, stack, i)
-    for fn, args in ((experts, (x, idx)), (lambda x: qmatvec(x, dense), (x,))):
+    for fn, args in ((lambda x, i: qmatvec_experts(x, stack, i), (x, idx)), (lambda x: qmatvec(x, dense), (x,))):
         assert TRITON_CALL in _lowered(fn, *args, platform="cuda")
         assert TRITON_CALL not in _lowered(fn, *args, platform="cpu")
-    rounded = QTensor.from_raw(raw, qtype, (8, 32, 512), act_round="ggml-cpu")  # the llama.cpp oracle's numerics
-    assert TRITON_CALL not in _lowered(lambda x, i: qmatvec_experts(x, rounded, i), x, idx, platform="cuda")
-    q4k = QTensor.from_raw(random_quantized(np.random.default_rng(1), T.Q4_K, (8, 32, 512)), T.Q4_K, (8, 32, 512))
-    assert TRITON_CALL not in _lowered(lambda x, i: qmatvec_experts(x, q4k, i), x, idx, platform="cuda")
+    rng = np.random.default_rng(1)
+    rounded = QTensor.from_raw(raw, T.MXFP4, (8, 32, 512), act_round="ggml-cpu")  # the llama.cpp oracle's numerics
+    q8 = QTensor.from_raw(random_quantized(rng, T.Q8_0, (8, 32, 512)), T.Q8_0, (8, 32, 512))
+    huge = QTensor.abstract(T.MXFP4, (1024, 4096, 4096))  # 2.3 GB: past the kernel's 32-bit offsets
+    for other in (rounded, q8, huge):
+        x_in = jax.ShapeDtypeStruct((other.n_cols,), jnp.float32)
+        assert TRITON_CALL not in _lowered(lambda w, x, i: qmatvec_experts(x, w, i), other, x_in, idx, platform="cuda")
 
 
-# V4-Flash's decode shapes: routed gate/up, routed down (one x per expert), the Q8_0 output head.
-GPU_SHAPES = [(T.MXFP4, 256, 2048, 4096, 1), (T.MXFP4, 256, 4096, 2048, 6), (T.Q8_0, 256, 2048, 4096, 1),
-              (T.Q8_0, 1, 129280, 4096, 1)]
+# V4-Flash's decode shapes: routed gate/up, routed down (one x per expert), and a dense MXFP4 matrix.
+GPU_SHAPES = [(T.MXFP4, 256, 2048, 4096, 1), (T.MXFP4, 256, 4096, 2048, 6), (T.MXFP4, 1, 4096, 4096, 1)]
 
 
 @pytest.mark.gpu

@@ -304,6 +304,7 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype) ->
 
 
 def _kernel_applies(w: QTensor) -> bool:
-    """The one-token product of `w` goes through the Triton kernel on CUDA (triton_matvec): its format has one, and
-    the activation is read as is (llama.cpp's activation rounding is a CPU oracle's numerics, kept in XLA)."""
-    return w.act_round is None and triton_matvec.supported(w.qtype)
+    """The one-token product of `w` goes through the Triton kernel on CUDA (triton_matvec): its format and size
+    have one, and the activation is read as is (llama.cpp's activation rounding is a CPU oracle's numerics, kept
+    in XLA)."""
+    return w.act_round is None and triton_matvec.supported(w.qtype, w.nbytes)

@@ -1,29 +1,29 @@
-"""One-token products over quantized rows as Pallas (Triton) kernels for the GPU: the decode fast path.
+"""The one-token MXFP4 product over raw GGML rows as a Pallas (Triton) kernel for the GPU: decode's fast path there.
 
-Why (DESIGN.md §7, experiments/README.md "Where the step's time goes"): XLA:GPU fuses a block decode into the
-multiply-and-sum of `qtensor._row_dot`, but it reads the sub-byte formats at a small share of HBM bandwidth (the
-routed-expert product of the V4.1 shape: MXFP4 7%, Q8_0 30% on the H200), and decode is bound by those bytes. A
-kernel that owns its loads reads the same raw GGUF rows at the bandwidth they allow.
+Why (experiments/README.md, "Where the step's time goes" and "The Triton kernel"): XLA:GPU fuses the block decode
+of `blocks._dec_mxfp4` into the multiply-and-sum of `qtensor._row_dot`, but read MXFP4 experts at 4-7% of HBM
+bandwidth on the H200: that decode assembles each value from bit fields with selects (exact on every backend, with
+subnormal scales), and its integer work, not the bytes, bounds the product.
 
 Owns `rows_matvec(x_XI, raw_EOR, idx_K, qtype) -> f32 [K, O]`: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i] over
 raw rows `raw[E, O, row_bytes]` exactly as they sit in the file (a whole stack, or the K rows a tier gathered), and
-`supported(qtype)`, which says when it applies. `qtensor.qmatvec_experts` and `qtensor.qmatvec` call it on
-CUDA only (`lax.platform_dependent`); every other platform, and `rows_as_dots` / `act_round` products, keep the XLA
-spelling, which stays the reference (tests/test_triton_matvec.py runs the kernel in Pallas' interpreter on the CPU
-against a float64 re-derivation from gguf-py's dequantizer, and on the GPU against the XLA path).
+`supported(qtype, stack_bytes)`, which says when it applies. `qtensor.qmatvec_experts` and `qtensor.qmatvec` call
+it on CUDA only (`lax.platform_dependent`); every other platform and format, and the `rows_as_dots` / `act_round`
+products, keep the XLA spelling, which stays the reference (tests/test_triton_matvec.py: the kernel in Pallas'
+interpreter on the CPU against a float64 re-derivation from gguf-py's dequantizer; on the GPU against XLA). A
+Q8_0 kernel of the first, strided-load design ran 4x slower than XLA's 900 GB/s there and was dropped.
 
-The layout: a GGML row is a run of blocks of `block_bytes` (17 for MXFP4, 34 for Q8_0) that are not a power of two,
-which Triton's tiles must be. So a program reads NB blocks of BO rows per step as strided tiles: one [BO, NB] tile
-per byte position of the block (stride `block_bytes`), and the matching [NB] values of x (stride 32). The NB * 17
-(or 34) bytes of a row are contiguous, so the strided loads of one step touch the same cache lines and DRAM sees
-each byte once.
+Loads: an MXFP4 block is 17 bytes, not a power of two, as Triton's tiles must be. A program's step gathers the
+[BO rows, NB blocks, 16] nibble bytes with explicit offsets (row * row_bytes + block * 17 + 1 + p: each block's 16
+bytes contiguous, so a warp's loads coalesce), the [BO, NB] scale bytes, and the [NB, 16] x values of the low and
+the high nibbles. Decode: `_e2m1_doubled`, integer and float ops per value, no conversion or select.
 
-Arithmetic (the same for every program, whatever E, K, the row's tier or the grid): within a block, the 32 values
-are summed in byte order (low nibble then high nibble for MXFP4), the sum is scaled by the block's scale, and
-blocks add left to right into one f32 accumulator per row. This is not XLA's order, so the kernel agrees with the
-XLA path to f32 rounding, not bitwise; decode is exact against itself because every decode product of a format
-goes through the one kernel (placements, drafting and prompt pieces included).
-`JDS41_TRITON=0` in the environment turns the kernels off (read once, at import: for A/B benchmarks).
+Arithmetic (the same for every program, whatever E, K, the row's tier or the grid): within a block the 16 (low
+value * x + high value * x) terms are summed, times the block's scale; the NB blocks of a step are summed and added
+to one f32 accumulator per row, step after step. That is not XLA's order, so the kernel agrees with the XLA path
+to f32 rounding, not bitwise; decode stays exact against itself because every MXFP4 one-token product on CUDA is
+this kernel with a tile set by the shape alone (placements, drafting, prompt pieces and row-batched decode alike).
+`JDS41_TRITON=0` in the environment turns the kernel off (read once, at import: for A/B benchmarks).
 """
 
 from __future__ import annotations
@@ -39,16 +39,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 ENABLED = os.environ.get("JDS41_TRITON", "1") != "0"
-VALUES = 32  # values per block in both formats
-BLOCK_BYTES = {T.MXFP4: 17, T.Q8_0: 34}
-# The tile (rows per program BO, blocks per step NB, warps): BO and NB are the largest choices that divide the
-# shape (both must be powers of two for Triton), so any whole-block row length runs.
+VALUES, BLOCK_BYTES = 32, 17  # an MXFP4 block: one e8m0 scale byte, then 16 bytes of e2m1 nibbles
+# The tile (rows per program BO, blocks per step NB, warps): BO and NB are the largest powers of two up to these
+# that divide the shape (Triton's tiles are powers of two), so any whole-block row length runs.
 BO_MAX, NB_MAX, NUM_WARPS = 16, 16, 4
+# Offsets into the stack are 32-bit in Triton's lowering below 2^32 bytes, and signed products overflowed past
+# 2^31 on the H200 (an illegal address with a 2.3 GB Q8_0 stack): larger stacks keep the XLA path.
+MAX_STACK_BYTES = (1 << 31) - 1
 
 
-def supported(qtype) -> bool:
-    """Whether `rows_matvec` takes rows of this type (else the XLA path computes the product)."""
-    return ENABLED and qtype in BLOCK_BYTES
+def supported(qtype, stack_bytes: int = 0) -> bool:
+    """Whether `rows_matvec` takes this stack (else the XLA path computes the product)."""
+    return ENABLED and qtype == T.MXFP4 and stack_bytes <= MAX_STACK_BYTES
 
 
 def _largest_power_of_two_dividing(n: int, most: int) -> int:
@@ -66,57 +68,37 @@ def _mxfp4_scale(e):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _e2m1(n):
-    """4-bit e2m1 code (bit 3 the sign) -> its doubled value {0, 1, 2, 3, 4, 6, 8, 12} with sign, as f32."""
-    m = n & 7
-    mag = (m + jnp.maximum(m - 4, 0) + 2 * jnp.maximum(m - 6, 0)).astype(jnp.float32)
-    return jnp.where((n & 8) != 0, -mag, mag)
+_MAG, _SIGN, _ONE = np.uint32(0x01C00000), np.uint32(0x80000000), np.uint32(0x3F800000)
 
 
-def _signed_byte(q):
-    v = q.astype(jnp.int32)
-    return (v - ((v >> 7) << 8)).astype(jnp.float32)
+def _e2m1_doubled(q, shift: int):
+    """The doubled e2m1 value ({0, 1, 2, 3, 4, 6, 8, 12}, sign at bit 3) of the nibble of uint32 bytes `q` at bit
+    `shift` (0 or 4), with no lookup, conversion or select: the 3 magnitude bits m added at bits 22-24 to 1.0f read
+    as g = {1, 1.5, 2, 3, 4, 6, 8, 12}, which is the value from m = 2 up; g + min(g - 2, 0) maps 1 and 1.5 (m = 0,
+    1) to 0 and 1; the sign bit is then XORed in. Every intermediate is a normal f32, so no backend can flush it.
+    XLA's decode (blocks._dec_mxfp4) assembles each value with selects and a conversion, and that work, not the
+    bytes, bounded it on the H200."""
+    g = lax.bitcast_convert_type(((q << (22 - shift)) & _MAG) + _ONE, jnp.float32)
+    kv = g + jnp.minimum(g - np.float32(2), np.float32(0))
+    sign = (q << (28 - shift)) & _SIGN
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(kv, jnp.uint32) ^ sign, jnp.float32)
 
 
-def _f16_pair(lo, hi):
-    """Two little-endian bytes -> their f16 value as f32."""
-    u = lo.astype(jnp.uint16) | (hi.astype(jnp.uint16) << 8)
-    return lax.bitcast_convert_type(u, jnp.float16).astype(jnp.float32)
-
-
-def _block_sums(qtype, load_w, load_x):
-    """([BO, NB] sum of each block's 32 products, [BO, NB] block scales) for one step.
-
-    `load_w(c)` gives the [BO, NB] tile of byte c of each block, `load_x(v)` the [NB] x values at position v of each
-    block."""
-    if qtype == T.MXFP4:
-        scale = _mxfp4_scale(load_w(0))
-        acc = None
-        for p in range(16):  # byte 1 + p holds value p (low nibble) and value 16 + p (high nibble)
-            q = load_w(1 + p).astype(jnp.int32)
-            term = _e2m1(q & 15) * load_x(p)[None, :] + _e2m1(q >> 4) * load_x(16 + p)[None, :]
-            acc = term if acc is None else acc + term
-        return acc, scale
-    scale = _f16_pair(load_w(0), load_w(1))  # Q8_0: f16 d, then 32 int8
-    acc = None
-    for p in range(VALUES):
-        term = _signed_byte(load_w(2 + p)) * load_x(p)[None, :]
-        acc = term if acc is None else acc + term
-    return acc, scale
-
-
-def _kernel(idx_ref, x_ref, w_ref, o_ref, *, qtype, bo: int, nb: int, steps: int, x_per_row: bool):
+def _kernel(idx_ref, x_ref, w_ref, o_ref, *, n_out: int, bo: int, nb: int, steps: int, x_per_row: bool):
     k, j = pl.program_id(0), pl.program_id(1)
     e = idx_ref[k]
     kx = k if x_per_row else jnp.int32(0)
-    rows = pl.ds(j * bo, bo)
-    bb = BLOCK_BYTES[qtype]
+    rows = e * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, row_bytes] stack
+    blk = jnp.arange(nb, dtype=jnp.int32)[:, None]
+    pos = jnp.arange(16, dtype=jnp.int32)[None, :]
 
     def step(t, acc_O):
-        b0 = t * nb
-        load_w = lambda c: w_ref[e, rows, pl.ds(b0 * bb + c, nb, stride=bb)]
-        load_x = lambda v: x_ref[kx, pl.ds(b0 * VALUES + v, nb, stride=VALUES)]
-        sums, scale = _block_sums(qtype, load_w, load_x)
+        b = t * nb + blk  # [NB, 1]: this step's blocks
+        q = w_ref[rows[:, None, None], (b * BLOCK_BYTES + 1 + pos)[None]].astype(jnp.uint32)  # [BO, NB, 16]
+        scale = _mxfp4_scale(w_ref[rows[:, None], (b[:, 0] * BLOCK_BYTES)[None, :]])  # [BO, NB]
+        x_lo = x_ref[kx, b * VALUES + pos][None]  # [1, NB, 16]: values 0-15 of each block (low nibbles)
+        x_hi = x_ref[kx, b * VALUES + 16 + pos][None]  # values 16-31 (high nibbles)
+        sums = jnp.sum(_e2m1_doubled(q, 0) * x_lo + _e2m1_doubled(q, 4) * x_hi, axis=2)  # [BO, NB]
         return acc_O + jnp.sum(sums * scale, axis=1)
 
     o_ref[0, :] = lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32))
@@ -131,15 +113,17 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, in
     overrides the tile for benchmarks (BO must divide O and NB the row's blocks)."""
     E, n_out, R = raw_EOR.shape
     K, X, n_in = idx_K.shape[0], x_XI.shape[0], x_XI.shape[1]
-    if qtype not in BLOCK_BYTES:
+    if qtype != T.MXFP4:
         raise ValueError(f"rows_matvec does not take {qtype.name} rows")
-    if n_in % VALUES or R != n_in // VALUES * BLOCK_BYTES[qtype] or X not in (1, K):
+    if n_in % VALUES or R != n_in // VALUES * BLOCK_BYTES or X not in (1, K):
         raise ValueError(f"rows_matvec: rows of {R} bytes for {n_in} inputs, x with {X} rows for {K} indices")
+    if E * n_out * R > MAX_STACK_BYTES:
+        raise ValueError(f"rows_matvec: a stack of {E * n_out * R} bytes needs 64-bit offsets")
     bo, nb, warps = tile or (_largest_power_of_two_dividing(n_out, BO_MAX),
                              _largest_power_of_two_dividing(n_in // VALUES, NB_MAX), NUM_WARPS)
     if n_out % bo or (n_in // VALUES) % nb:
         raise ValueError(f"tile ({bo}, {nb}) does not divide {n_out} rows of {n_in // VALUES} blocks")
-    kernel = functools.partial(_kernel, qtype=qtype, bo=bo, nb=nb, steps=n_in // (nb * VALUES), x_per_row=X > 1)
+    kernel = functools.partial(_kernel, n_out=n_out, bo=bo, nb=nb, steps=n_in // (nb * VALUES), x_per_row=X > 1)
     params = None
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -149,7 +133,7 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, in
         kernel, out_shape=jax.ShapeDtypeStruct((K, n_out), jnp.float32), grid=(K, n_out // bo),
         out_specs=pl.BlockSpec((1, bo), lambda k, j: (k, j)), compiler_params=params, interpret=interpret,
         name=f"rows_matvec_{qtype.name.lower()}",
-    )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI.astype(jnp.float32), raw_EOR)
+    )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI.astype(jnp.float32), raw_EOR.reshape(E * n_out, R))
 
 
 def reference_rows_matvec(x_XI: np.ndarray, raw_EOR: np.ndarray, idx_K: np.ndarray, qtype) -> np.ndarray:
