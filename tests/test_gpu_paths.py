@@ -4,7 +4,8 @@ machines without a GPU, CI included). On the GPU box: `python -m pytest -q -m gp
 - pinned-host experts moved per selected expert inside a `lax.cond` (`host_fetch: selected`) and the plain
   move-all-K path, beside SSD experts through the slot cache: logits bit-identical to the all-resident model;
 - one-row tier stacks (the XLA "bitcast across memory spaces" case seen on the H200);
-- the device decode loop against the step-per-token reference, with tiered experts.
+- the device decode loop against the step-per-token reference, with tiered experts;
+- with MXFP4 experts, all of it through the Triton kernel (jds41/quant/triton_matvec.py).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def _profile(tmp_path, name: str, **fields) -> str:
     return str(path)
 
 
+@pytest.mark.parametrize("quant", ["q8", "mxfp4"])  # mxfp4: the experts' products are the Triton kernel's
 @pytest.mark.parametrize("fetch", ["all", "selected"])
-def test_tiered_logits_equal_resident_on_the_gpu(synthetic_model, tmp_path, fetch):
-    path = str(synthetic_model("deepseek41", "tiny", "q8"))
+def test_tiered_logits_equal_resident_on_the_gpu(synthetic_model, tmp_path, fetch, quant):
+    path = str(synthetic_model("deepseek41", "tiny", quant))
     want = Engine.open(path, max_ctx=64).session().feed(TOKENS, all_logits=True)
     prof = _profile(tmp_path, f"mixed-{fetch}", tier0_bytes=0.3, tier1_bytes=0.4, host_fetch=fetch)
     got = Engine.open(path, max_ctx=64, profile=prof).session().feed(TOKENS, all_logits=True)

@@ -224,9 +224,9 @@ def qmatvec(x_in: jax.Array, w: QTensor) -> jax.Array:
     xla = lambda x_I, raw_OR: _row_dot(_values(raw_OR, w.qtype), _act(x_I, w))  # 2-d: no [1, out, in] form
     if not _kernel_applies(w):
         return xla(x_in, w.data)
-    kernel = lambda x_I, raw_OR: triton_matvec.rows_matvec(x_I[None], raw_OR[None], jnp.zeros(1, jnp.int32),
-                                                           w.qtype)[0]
-    return lax.platform_dependent(x_in, jnp.asarray(w.data), cuda=kernel, default=xla)
+    kernel = lambda x_I, raw_OR: rows_matvec(x_I[None], raw_OR[None], jnp.zeros(1, jnp.int32), w.qtype,
+                                             default=lambda x, raw, idx: xla(x[0], raw[0])[None])[0]
+    return kernel(x_in, jnp.asarray(w.data))
 
 
 def qmatmul(x_TD: jax.Array, w: QTensor, *, precision=lax.Precision.HIGHEST) -> jax.Array:
@@ -295,11 +295,14 @@ def xla_rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype
     return _row_dot(_values(raw_KOR, qtype), jnp.asarray(x_XI, jnp.float32)[:, None, :])
 
 
-def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype) -> jax.Array:
+def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, default=None) -> jax.Array:
     """`xla_rows_matvec`, computed on CUDA by the Triton kernel of triton_matvec (the choice is made when lowering:
-    one traced function serves every platform)."""
+    one traced function serves every platform). `default(x, raw, idx)` replaces the XLA spelling elsewhere; with
+    JDS41_TRITON=interpret every platform runs the kernel, in Pallas' interpreter."""
+    if triton_matvec.INTERPRET:
+        return triton_matvec.rows_matvec(x_XI, raw_EOR, idx_K, qtype, interpret=True)
     kernel = lambda x, raw, idx: triton_matvec.rows_matvec(x, raw, idx, qtype)
-    xla = lambda x, raw, idx: xla_rows_matvec(x, raw, idx, qtype)
+    xla = default or (lambda x, raw, idx: xla_rows_matvec(x, raw, idx, qtype))
     return lax.platform_dependent(x_XI, raw_EOR, idx_K, cuda=kernel, default=xla)
 
 

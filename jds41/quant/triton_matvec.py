@@ -23,12 +23,14 @@ value * x + high value * x) terms are summed, times the block's scale; the NB bl
 to one f32 accumulator per row, step after step. That is not XLA's order, so the kernel agrees with the XLA path
 to f32 rounding, not bitwise; decode stays exact against itself because every MXFP4 one-token product on CUDA is
 this kernel with a tile set by the shape alone (placements, drafting, prompt pieces and row-batched decode alike).
-`JDS41_TRITON=0` in the environment turns the kernel off (read once, at import: for A/B benchmarks).
+`JDS41_TRITON=0` in the environment turns the kernel off (read once, at import: for A/B benchmarks); without
+Pallas' Triton backend (deprecated in jax 0.11) the XLA path runs.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import jax
@@ -38,7 +40,12 @@ from gguf import GGMLQuantizationType as T
 from jax import lax
 from jax.experimental import pallas as pl
 
-ENABLED = os.environ.get("JDS41_TRITON", "1") != "0"
+# JDS41_TRITON: "1" (default) the kernel on CUDA, "0" off (XLA everywhere), "interpret" the kernel on every
+# platform through Pallas' interpreter: the engine's tests then run the kernel's arithmetic on the CPU
+# (tests/test_triton_engine.py).
+_MODE = os.environ.get("JDS41_TRITON", "1")
+ENABLED, INTERPRET = _MODE != "0", _MODE == "interpret"
+_BACKEND = importlib.util.find_spec("jax.experimental.pallas.triton") is not None  # deprecated upstream (jax 0.11)
 VALUES, BLOCK_BYTES = 32, 17  # an MXFP4 block: one e8m0 scale byte, then 16 bytes of e2m1 nibbles
 # The tile (rows per program BO, blocks per step NB, warps): BO and NB are the largest powers of two up to these
 # that divide the shape (Triton's tiles are powers of two), so any whole-block row length runs.
@@ -50,7 +57,7 @@ MAX_STACK_BYTES = (1 << 31) - 1
 
 def supported(qtype, stack_bytes: int = 0) -> bool:
     """Whether `rows_matvec` takes this stack (else the XLA path computes the product)."""
-    return ENABLED and qtype == T.MXFP4 and stack_bytes <= MAX_STACK_BYTES
+    return ENABLED and (_BACKEND or INTERPRET) and qtype == T.MXFP4 and stack_bytes <= MAX_STACK_BYTES
 
 
 def _largest_power_of_two_dividing(n: int, most: int) -> int:

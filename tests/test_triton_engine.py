@@ -1,0 +1,83 @@
+"""The engine's invariances with the Triton MXFP4 kernel doing the one-token products, run on the CPU through Pallas'
+interpreter (JDS41_TRITON=interpret, read at import, so the engine runs in a subprocess): on the GPU the kernel
+replaces XLA's products, and these are the promises that must survive the swap.
+
+In one engine with the kernel (V4.1 tiny, MXFP4 experts and two DSpark stages): a three-tier placement (HBM, pinned
+host, SSD through a 2-slot cache) gives the resident logits bit for bit and the same greedy tokens; the device loop
+gives the step loop's tokens; drafting gives plain greedy decode's tokens, at decode width 1 and at width 4 (the
+vmapped kernel); the wide prompt pass keeps its bits for any cut. Against the XLA engine in this process (the
+reference path): the same logits to f32 rounding, and not the same bits (the kernel really ran).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jds41.engine import Engine
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[1]
+SPLIT = {"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3, "placement_source": "uniform",
+         "slot_cache_slots": 2, "lookahead": 1, "router_lean": {"enabled": False}}
+
+# Runs with JDS41_TRITON=interpret; argv: model, profile, output .npy; prints one JSON line of checks.
+ENGINE_RUN = r"""
+import json, sys
+import numpy as np
+from jds41.decode_loop import greedy_generate
+from jds41.engine import Engine
+from jds41.quant import triton_matvec
+from jds41.speculative import DSparkDrafter, SpeculativeSession
+
+model, profile, out = sys.argv[1:4]
+toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
+res = {"interpret": triton_matvec.INTERPRET}
+e = Engine.open(model, max_ctx=128, prefill_chunk=16)
+want = e.session().feed(toks, all_logits=True)
+np.save(out, want)
+gen = list(e.session().generate(toks, 8))
+tiered = Engine.open(model, max_ctx=128, prefill_chunk=16, profile=profile)
+res["tiered_logits_equal"] = bool(np.array_equal(tiered.session().feed(toks, all_logits=True), want))
+res["tiered_tokens_equal"] = list(tiered.session().generate(toks, 8)) == gen
+s = e.session()
+res["device_loop_equal"] = greedy_generate(s, int(np.argmax(s.feed(toks))), 8) == gen
+res["draft_equal"] = list(SpeculativeSession(e, DSparkDrafter.open(e, "self")).generate(toks, 8)) == gen
+w4 = Engine.open(model, max_ctx=128, prefill_chunk=16, decode_width=4)
+plain4 = list(w4.session().generate(toks, 8))
+res["width4_draft_equal"] = list(SpeculativeSession(w4, DSparkDrafter.open(w4, "self")).generate(toks, 8)) == plain4
+wide = Engine.open(model, max_ctx=128, prefill_chunk=16, prompt_width=8)
+whole = wide.session().feed(toks, all_logits=True)
+cut = wide.session()
+parts = [cut.feed(toks[:13], all_logits=True), cut.feed(toks[13:], all_logits=True)]
+res["wide_cut_equal"] = bool(np.array_equal(np.concatenate(parts), whole))
+print(json.dumps(res))
+"""
+
+
+def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path):
+    model = str(synthetic_model("deepseek41", "tiny", "mxfp4", draft_stages=2))
+    profile = tmp_path / "split3.json"
+    profile.write_text(json.dumps(SPLIT))
+    out = tmp_path / "kernel_logits.npy"
+    env = {**os.environ, "JDS41_TRITON": "interpret", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, "-c", ENGINE_RUN, model, str(profile), str(out)], capture_output=True,
+                         text=True, env=env, cwd=ROOT, timeout=1100)
+    assert res.returncode == 0, res.stderr[-4000:]
+    checks = json.loads(res.stdout.strip().splitlines()[-1])
+    assert checks == {"interpret": True, "tiered_logits_equal": True, "tiered_tokens_equal": True,
+                      "device_loop_equal": True, "draft_equal": True, "width4_draft_equal": True,
+                      "wide_cut_equal": True}, checks
+    kernel = np.load(out)
+    toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
+    xla = Engine.open(model, max_ctx=128, prefill_chunk=16).session().feed(toks, all_logits=True)
+    np.testing.assert_allclose(kernel, xla, rtol=0, atol=1e-5 * np.abs(xla).max())
+    assert not np.array_equal(kernel, xla)  # the products were the kernel's, not XLA's
