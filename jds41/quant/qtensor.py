@@ -16,6 +16,10 @@ touches a variadic reduce, XLA's loop emitter fuses the whole decode into it, an
 sums reach memory. Other platforms get the plain sum, which XLA:GPU fuses and runs 3-5x faster there (H200).
 tests/test_quant_hlo.py checks the compiled HLO on whichever backend runs it.
 
+On CUDA the one-token MXFP4 products (`qmatvec`, `qmatvec_experts`) are a Triton kernel instead (`rows_matvec`,
+jds41/quant/triton_matvec.py: XLA's select-heavy decode of the format was the bound there); `xla_rows_matvec` is
+their XLA spelling, what every other platform runs and the kernel is tested against.
+
 Only `qmatmul` with several tokens and `qmatmul_expert` (one expert of a stack for a tile of rows, the grouped prompt
 pass of jds41/layers/grouped_experts.py) dequantize to an f32 copy and call `dot`: the copy is shared by the rows.
 The wide prompt pass also traces the one-token products under `rows_as_dots()`: there `qmatvec` and
@@ -224,9 +228,8 @@ def qmatvec(x_in: jax.Array, w: QTensor) -> jax.Array:
     xla = lambda x_I, raw_OR: _row_dot(_values(raw_OR, w.qtype), _act(x_I, w))  # 2-d: no [1, out, in] form
     if not _kernel_applies(w):
         return xla(x_in, w.data)
-    kernel = lambda x_I, raw_OR: rows_matvec(x_I[None], raw_OR[None], jnp.zeros(1, jnp.int32), w.qtype,
-                                             default=lambda x, raw, idx: xla(x[0], raw[0])[None])[0]
-    return kernel(x_in, jnp.asarray(w.data))
+    return rows_matvec(x_in[None], jnp.asarray(w.data)[None], jnp.zeros(1, jnp.int32), w.qtype,
+                       default=lambda x, raw, _idx: xla(x[0], raw[0])[None])[0]
 
 
 def qmatmul(x_TD: jax.Array, w: QTensor, *, precision=lax.Precision.HIGHEST) -> jax.Array:
@@ -280,10 +283,9 @@ def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array) -> 
         return jnp.einsum(spec, _act(x, w_stack), w_KOI, precision=lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
 
-    x_XI = x.reshape(-1, x.shape[-1])  # [1 or K, in]
+    x_XI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
     if not _kernel_applies(w_stack):
-        raw_KOR = jnp.take(jnp.asarray(w_stack.data), expert_idx_K, axis=0, mode="clip")
-        return _row_dot(_values(raw_KOR, w_stack.qtype), _act(x_XI, w_stack)[:, None, :])
+        return xla_rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype)
     return rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype)
 
 
