@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import _commit, _machine, triton_kernels_on  # noqa: E402  (sibling script, run as a file; honours $JDS41_COMMIT)
+from bench_decode import _commit, _machine, triton_kernels_on  # noqa: E402  (sibling script; honours $JDS41_COMMIT)
 
 from jds41 import prefill as PF  # noqa: E402
 from jds41.engine import Engine  # noqa: E402

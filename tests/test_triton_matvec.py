@@ -11,6 +11,7 @@ vmapped kernel (row-batched decode) bit for bit against one call per row.
 
 from __future__ import annotations
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 from jds41.quant import QTensor, qmatvec, qmatvec_experts
 from jds41.quant.qtensor import xla_rows_matvec
 from jds41.quant.random_blocks import random_quantized
-from jds41.quant.triton_matvec import _e2m1_doubled, reference_rows_matvec, rows_matvec
+from jds41.quant.triton_matvec import _e2m1_doubled, rows_matvec
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -28,6 +29,14 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 def _case(qtype, E=5, n_out=24, n_in=1024, seed=0):
     rng = np.random.default_rng(seed)
     return rng, random_quantized(rng, qtype, (E, n_out, n_in))
+
+
+def reference_rows_matvec(x_XI, raw_EOR, idx_K, qtype):
+    """The product in float64 numpy from gguf-py's dequantizer, indices clamped as the kernel clamps them."""
+    x = np.asarray(x_XI, np.float64)
+    rows = [gguf.quants.dequantize(raw_EOR[e], qtype).astype(np.float64) @ x[k if len(x) > 1 else 0]
+            for k, e in enumerate(np.clip(idx_K, 0, len(raw_EOR) - 1))]
+    return np.stack(rows)
 
 
 def _rel(got, want):

@@ -55,7 +55,7 @@ BO_MAX, NB_MAX, NUM_WARPS = 16, 16, 4
 MAX_STACK_BYTES = (1 << 31) - 1
 
 
-def supported(qtype, stack_bytes: int = 0) -> bool:
+def supported(qtype, stack_bytes: int) -> bool:
     """Whether `rows_matvec` takes this stack (else the XLA path computes the product)."""
     return ENABLED and (_BACKEND or INTERPRET) and qtype == T.MXFP4 and stack_bytes <= MAX_STACK_BYTES
 
@@ -141,15 +141,3 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, in
         out_specs=pl.BlockSpec((1, bo), lambda k, j: (k, j)), compiler_params=params, interpret=interpret,
         name=f"rows_matvec_{qtype.name.lower()}",
     )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI.astype(jnp.float32), raw_EOR.reshape(E * n_out, R))
-
-
-def reference_rows_matvec(x_XI: np.ndarray, raw_EOR: np.ndarray, idx_K: np.ndarray, qtype) -> np.ndarray:
-    """The same product in float64 numpy from gguf-py's dequantizer: what the kernel is tested against."""
-    import gguf
-
-    x = np.asarray(x_XI, np.float64)
-    out = []
-    for k, e in enumerate(np.clip(np.asarray(idx_K), 0, raw_EOR.shape[0] - 1)):
-        w = gguf.quants.dequantize(np.asarray(raw_EOR[e]), qtype).astype(np.float64)
-        out.append(w @ x[k if x.shape[0] > 1 else 0])
-    return np.stack(out)
