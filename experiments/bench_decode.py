@@ -88,6 +88,13 @@ def triton_kernels_on() -> bool:
     return triton_matvec.ENABLED
 
 
+def planar_weights_on() -> bool:
+    """Whether resident Q8_0 / MXFP4 weights are regrouped into planar rows for those kernels (JDS41_PLANAR)."""
+    from jds41.quant import triton_matvec
+
+    return triton_matvec.planar_weights()
+
+
 def _machine() -> str:
     import jax
 
@@ -508,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     stream = [int(t) for t in rng.integers(0, cfg.vocab_size, a.decode + 1)]
     common = {"bench": "decode", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "triton_kernels": triton_kernels_on(),
-              "arch": a.arch, "size": a.size, "layers": a.layers, "quant": a.quant,
+              "planar_weights": planar_weights_on(), "arch": a.arch, "size": a.size, "layers": a.layers,
+              "quant": a.quant,
               "file_gib": round(os.path.getsize(path) / 2**30, 2), "write_s": round(write_s, 1),
               "routing": {"source": "zipf-fit selection bias" if a.skew_top10 > 0 else "random weights",
                           "target_top10_share": a.skew_top10, "g": round(g, 4), "measured": skew},

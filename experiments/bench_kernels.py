@@ -1,6 +1,7 @@
 """The one-token quantized products alone on the GPU: XLA's fused decode (`qtensor.xla_rows_matvec`, the reference)
-against the Triton kernel (`quant/triton_matvec.rows_matvec`) at the decode step's shapes, with each one's GB/s,
-share of HBM bandwidth and distance from the other. One JSON line per (shape, path, tile). Issue #5, item 4: the
+against the Triton kernel (`quant/triton_matvec.rows_matvec`) at the decode step's shapes, each in the GGML row
+layout and the planar one (quant/planar.py), with each one's GB/s, share of HBM bandwidth and distance from XLA
+over GGML rows. One JSON line per (shape, path, tile). Issue #5, item 4: the
 routed-expert product read MXFP4 at 7% of HBM bandwidth through XLA (experiments/README.md, step parts).
 
     python experiments/bench_kernels.py [--reps 50] [--tiles] [--out FILE]
@@ -27,16 +28,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import BW, _commit, _machine, emit  # noqa: E402  (sibling script, run as a file)
 
 from jds41.quant import row_bytes  # noqa: E402
+from jds41.quant.planar import to_planar  # noqa: E402
 from jds41.quant.qtensor import xla_rows_matvec  # noqa: E402
 from jds41.quant.random_blocks import random_quantized  # noqa: E402
-from jds41.quant.triton_matvec import rows_matvec  # noqa: E402
+from jds41.quant.triton_matvec import rows_matvec, supported  # noqa: E402
 
-# (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4 in
-# llama.cpp's layout), and one dense MXFP4 matrix of the model width.
+# (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4), one
+# dense MXFP4 matrix of the model width, and its dense Q8_0 matrices: attention's q_b [32768, 1024] and o_b
+# [4096, 8192], and the output head [129280, 4096] (562 MB). A dense matrix smaller than the L2 cache comes as a
+# stack of copies that the calls walk (K = 1), as the layers of a step do, so its bytes are read from HBM.
 SHAPES = (
     ("experts-gate-up", T.MXFP4, 256, 2048, 4096, 6, 1),
     ("experts-down", T.MXFP4, 256, 4096, 2048, 6, 6),
-    ("dense", T.MXFP4, 1, 4096, 4096, 1, 1),
+    ("dense", T.MXFP4, 32, 4096, 4096, 1, 1),
+    ("attn-q-b", T.Q8_0, 8, 32768, 1024, 1, 1),
+    ("attn-o-b", T.Q8_0, 8, 4096, 8192, 1, 1),
+    ("head", T.Q8_0, 1, 129280, 4096, 1, 1),
 )
 TILES = [(bo, nb, w) for bo in (8, 16, 32, 64) for nb in (8, 16, 32) for w in (4, 8)]
 
@@ -81,25 +88,34 @@ def main(argv=None) -> int:
     for name, qtype, E, n_out, n_in, K, X in SHAPES:
         if not gpu:  # the interpreter is slow: a small stack of the same kind checks the path
             E, n_out, n_in = min(E, 4), 64, 512
-        raw = _stack(rng, qtype, E, n_out, n_in)
+        if not gpu and qtype == T.Q8_0:
+            n_out = 32
+        ggml = _stack(rng, qtype, E, n_out, n_in)
+        rows = {"ggml": ggml, "planar": jax.jit(to_planar, static_argnums=1)(ggml, qtype)}
         x = jnp.asarray(rng.standard_normal((X, n_in)), jnp.float32)
         idx0 = jnp.arange(K, dtype=jnp.int32)
         nbytes = K * n_out * row_bytes(qtype, n_in)
         shape = {"shape": name, "qtype": qtype.name, "experts": E, "out": n_out, "in": n_in, "k": K, "bytes": nbytes}
-        want = np.asarray(jax.jit(lambda x, r, i, q=qtype: xla_rows_matvec(x, r, i, q))(x, raw, idx0))
-        paths = [("xla", None)] + [("triton", None)] + ([("triton", t) for t in TILES] if a.tiles and E > 1 else [])
-        for path, tile in paths:
+        want = np.asarray(jax.jit(lambda x, r, i, q=qtype: xla_rows_matvec(x, r, i, q))(x, ggml, idx0))
+        tiled = a.tiles and name in ("experts-gate-up", "experts-down", "head")
+        paths = [("xla", "ggml", None), ("xla", "planar", None)]
+        paths += [("triton", lay, None) for lay in ("ggml", "planar") if supported(qtype, 0, lay)]
+        paths += [("triton", "planar", t) for t in TILES] if tiled else []
+        for path, layout, tile in paths:
             if path == "xla":
-                product = lambda x, r, i, q=qtype: xla_rows_matvec(x, r, i, q)
+                product = lambda x, r, i, q=qtype, lay=layout: xla_rows_matvec(x, r, i, q, lay)
             else:
-                product = lambda x, r, i, q=qtype, t=tile: rows_matvec(x, r, i, q, interpret=not gpu, tile=t)
+                product = lambda x, r, i, q=qtype, lay=layout, t=tile: rows_matvec(x, r, i, q, layout=lay,
+                                                                                 interpret=not gpu, tile=t)
+            raw = rows[layout]
             try:
                 got = np.asarray(jax.jit(product)(x, raw, idx0))
                 s = _seconds(_loop(product, a.reps, E, K), x, raw, idx0) / a.reps
             except Exception as e:  # a tile Triton cannot compile: report it and go on
-                emit({**common, **shape, "path": path, "tile": tile, "error": f"{type(e).__name__}: {e}"[:400]}, a.out)
+                emit({**common, **shape, "path": path, "layout": layout, "tile": tile,
+                      "error": f"{type(e).__name__}: {e}"[:400]}, a.out)
                 continue
-            emit({**common, **shape, "path": path, "tile": tile, "us": round(s * 1e6, 2),
+            emit({**common, **shape, "path": path, "layout": layout, "tile": tile, "us": round(s * 1e6, 2),
                   "gb_per_s": round(nbytes / s / 1e9, 1), "hbm_share": round(nbytes / s / BW["hbm"], 4),
                   "max_rel_diff_vs_xla": float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))}, a.out)
     return 0

@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import _commit, _machine, triton_kernels_on  # noqa: E402  (sibling script; honours $JDS41_COMMIT)
+from bench_decode import _commit, _machine, planar_weights_on, triton_kernels_on  # noqa: E402  (sibling script)
 
 from jds41 import prefill as PF  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     import jax
 
     meta = {"model": os.path.basename(args.model), "commit": _commit(), "machine": _machine(),
-            "triton_kernels": triton_kernels_on(),
+            "triton_kernels": triton_kernels_on(), "planar_weights": planar_weights_on(),
             "device": str(jax.devices()[0]),
             "host": platform.node(), "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])])}
     results = []

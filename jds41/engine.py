@@ -28,6 +28,8 @@ from jds41.errors import Jds41Error
 from jds41.layers.engram_rows import EngramHasher, MmapRowSource, read_step_rows
 from jds41.prompt_pieces import SCAN_PIECE as PREFILL_CHUNK  # noqa: F401  (re-exported)
 from jds41.prompt_pieces import chunk_tokens, prompt_pieces, run_piece
+from jds41.quant.planar import planar_params
+from jds41.quant.triton_matvec import planar_weights
 from jds41.tiers.experts import take_failure
 from jds41.tiers.loader import load_tensors
 from jds41.tokenizer import Tokenizer
@@ -96,6 +98,8 @@ class Engine:
         loaded = load_tensors(gguf, matrix_names(cfg, with_routed_experts=profile is None), progress=progress)
         params = load_params(cfg, gguf, act_round=NUMERICS[numerics], raw=loaded.arrays,
                              with_routed_experts=profile is None)
+        if planar_weights(NUMERICS[numerics]):  # Q8_0 / MXFP4 rows regrouped for the GPU kernels, same values
+            params = planar_params(params)
         tiers = None
         if profile is not None:
             from jds41.tiers.runtime import open_tiers  # the tier machinery loads only when a profile asks for it

@@ -135,7 +135,7 @@ def init_state(plan: ModelPlan) -> dict:
 def embed(w: QTensor, token: jax.Array) -> jax.Array:
     """One row of the (possibly quantized) embedding table as f32 [D]: only that row's bytes are read."""
     row = jax.lax.dynamic_index_in_dim(jnp.asarray(w.data), token, 0, keepdims=True)
-    return QTensor(row, w.qtype, (1, w.shape[-1])).dequantize()[0]
+    return w.with_rows(row, (1, w.shape[-1])).dequantize()[0]
 
 
 def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_st: list, h_D, pos, shared: dict):
@@ -261,23 +261,26 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
     for lp in plan.layers:
         w = params["blocks"][lp.index]
         if lp.engram_slot >= 0:
-            x = engram_combine(x, engram_rows[lp.engram_slot], w["engram_wkv"], w["engram_q"], w["engram_k"],
-                               cfg.rms_eps)
+            with jax.named_scope("engram"):  # scopes name the model part in profiles (experiments/profile_decode.py)
+                x = engram_combine(x, engram_rows[lp.engram_slot], w["engram_wkv"], w["engram_q"], w["engram_k"],
+                                   cfg.rms_eps)
         if lp.index in feature_layers:
             features[lp.index] = jnp.mean(x, axis=0)
         for branch in ("attn", "ffn"):
-            pre, post, comb = _sublayer_mix(cfg, w, branch, x)
-            h = rms_norm(hc_collapse(x, pre_prev if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
-            if branch == "attn":
-                out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared)
-            else:
-                predicted.append(_predict_next(plan, lp, params, h))
-                out, idx, n_swaps = _ffn_block(plan, lp, w, h, token)
-                routing.append(idx)
-                swaps.append(n_swaps)
-            x = hc_expand(x, out, post, comb)
+            with jax.named_scope(branch):
+                pre, post, comb = _sublayer_mix(cfg, w, branch, x)
+                h = rms_norm(hc_collapse(x, pre_prev if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
+                if branch == "attn":
+                    out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared)
+                else:
+                    predicted.append(_predict_next(plan, lp, params, h))
+                    out, idx, n_swaps = _ffn_block(plan, lp, w, h, token)
+                    routing.append(idx)
+                    swaps.append(n_swaps)
+                x = hc_expand(x, out, post, comb)
             pre_prev = pre
-    logits = output_head(cfg, params, x, pre_prev)
+    with jax.named_scope("head"):
+        logits = output_head(cfg, params, x, pre_prev)
     out = (logits, {"pos": pos + 1, "layers": new_layers})
     if trace_routing:
         out += ({"experts": jnp.stack(routing), "swaps": jnp.stack(swaps), "predicted_next": jnp.stack(predicted)},)

@@ -133,7 +133,7 @@ def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict
         if ssd is not None:
             rows = jnp.where(on_ssd[:, None, None], ssd[i], rows)
         ref = tl.hbm[n]
-        stacks[n] = QTensor(rows, ref.qtype, (U, *ref.shape[1:]), ref.act_round)
+        stacks[n] = ref.with_rows(rows, (U, *ref.shape[1:]))
     return stacks
 
 

@@ -19,9 +19,12 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from jds41.quant import QTensor, qmatvec, qmatvec_experts
+from jds41.quant.planar import to_planar
 from jds41.quant.qtensor import xla_rows_matvec
 from jds41.quant.random_blocks import random_quantized
 from jds41.quant.triton_matvec import _e2m1_doubled, rows_matvec
+
+KINDS = [(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar")]  # what the kernel takes
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -50,19 +53,36 @@ def test_every_nibble_decodes_to_ggmls_doubled_e2m1_value():
     np.testing.assert_array_equal(np.asarray(_e2m1_doubled(q, 4)), np.repeat(want, 16))
 
 
+def _rows(raw, layout, qtype):
+    return jnp.asarray(to_planar(raw, qtype) if layout == "planar" else raw)
+
+
+@pytest.mark.parametrize("qtype,layout", KINDS)
 @pytest.mark.parametrize("x_rows", ["shared", "per-expert"])
-def test_the_interpreted_kernel_equals_a_float64_reference(x_rows):
-    qtype = T.MXFP4
+def test_the_interpreted_kernel_equals_a_float64_reference(x_rows, qtype, layout):
     rng, raw = _case(qtype)
     idx = np.array([4, 0, 2, 9, -3], np.int32)  # 9 and -3 clamp to the stack, as jnp.take(mode="clip") does
     x = rng.standard_normal((1 if x_rows == "shared" else len(idx), 1024)).astype(np.float32)
-    want = reference_rows_matvec(x, raw, idx, qtype)
-    got = rows_matvec(jnp.asarray(x), jnp.asarray(raw), jnp.asarray(idx), qtype, interpret=True)
+    want = reference_rows_matvec(x, raw, idx, qtype)  # from the GGML rows, whatever layout the kernel reads
+    rows = _rows(raw, layout, qtype)
+    got = rows_matvec(jnp.asarray(x), rows, jnp.asarray(idx), qtype, layout=layout, interpret=True)
     assert got.shape == (len(idx), raw.shape[1]) and got.dtype == jnp.float32
     assert _rel(got, want) < 1e-6
     # another tile sums the blocks in other groups: the same values to f32 rounding
-    other = rows_matvec(jnp.asarray(x), jnp.asarray(raw), jnp.asarray(idx), qtype, interpret=True, tile=(8, 4, 4))
+    other = rows_matvec(jnp.asarray(x), rows, jnp.asarray(idx), qtype, layout=layout, interpret=True,
+                        tile=(8, 4, 4))
     assert _rel(other, want) < 1e-6
+
+
+def test_both_layouts_of_mxfp4_get_the_same_bits():
+    """Tiered layers read GGML rows and resident stacks planar ones: placements keep the resident bits only if the
+    kernel's arithmetic does not depend on the layout it loads from."""
+    rng, raw = _case(T.MXFP4, E=6, n_out=32, n_in=2048)
+    idx = jnp.asarray([5, 1, 1, 3], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((4, 2048)), jnp.float32)
+    ggml = rows_matvec(x, jnp.asarray(raw), idx, T.MXFP4, layout="ggml", interpret=True)
+    planar = rows_matvec(x, _rows(raw, "planar", T.MXFP4), idx, T.MXFP4, layout="planar", interpret=True)
+    np.testing.assert_array_equal(np.asarray(ggml), np.asarray(planar))
 
 
 def test_short_rows_and_odd_row_counts_take_smaller_tiles():
@@ -73,7 +93,7 @@ def test_short_rows_and_odd_row_counts_take_smaller_tiles():
     assert _rel(got, reference_rows_matvec(x, raw, idx, T.MXFP4)) < 1e-6
     with pytest.raises(ValueError, match="rows of"):
         rows_matvec(jnp.asarray(x[:, :32]), jnp.asarray(raw), jnp.asarray(idx), T.MXFP4, interpret=True)
-    with pytest.raises(ValueError, match="does not take"):
+    with pytest.raises(ValueError, match="does not take"):  # Q8_0 only in the planar layout
         rows_matvec(jnp.asarray(x), jnp.asarray(raw), jnp.asarray(idx), T.Q8_0, interpret=True)
 
 
@@ -90,30 +110,43 @@ def test_decode_products_lower_to_the_kernel_on_cuda_only():
         assert TRITON_CALL in _lowered(fn, *args, platform="cuda")
         assert TRITON_CALL not in _lowered(fn, *args, platform="cpu")
     rng = np.random.default_rng(1)
+    q8_raw = random_quantized(rng, T.Q8_0, (8, 32, 512))
+    q8_planar = QTensor.from_raw(q8_raw, T.Q8_0, (8, 32, 512)).with_layout(to_planar(q8_raw, T.Q8_0), "planar")
+    assert TRITON_CALL in _lowered(lambda x, i: qmatvec_experts(x, q8_planar, i), x, idx, platform="cuda")
     rounded = QTensor.from_raw(raw, T.MXFP4, (8, 32, 512), act_round="ggml-cpu")  # the llama.cpp oracle's numerics
-    q8 = QTensor.from_raw(random_quantized(rng, T.Q8_0, (8, 32, 512)), T.Q8_0, (8, 32, 512))
+    q8 = QTensor.from_raw(q8_raw, T.Q8_0, (8, 32, 512))  # GGML Q8_0 rows: XLA reads them (tiers keep them so)
     huge = QTensor.abstract(T.MXFP4, (1024, 4096, 4096))  # 2.3 GB: past the kernel's 32-bit offsets
     for other in (rounded, q8, huge):
         x_in = jax.ShapeDtypeStruct((other.n_cols,), jnp.float32)
         assert TRITON_CALL not in _lowered(lambda w, x, i: qmatvec_experts(x, w, i), other, x_in, idx, platform="cuda")
 
 
-# V4-Flash's decode shapes: routed gate/up, routed down (one x per expert), and a dense MXFP4 matrix.
-GPU_SHAPES = [(T.MXFP4, 256, 2048, 4096, 1), (T.MXFP4, 256, 4096, 2048, 6), (T.MXFP4, 1, 4096, 4096, 1)]
+# V4-Flash's decode shapes: routed gate/up, routed down (one x per expert), a dense MXFP4 matrix, the Q8_0 head.
+GPU_SHAPES = [(T.MXFP4, 256, 2048, 4096, 1), (T.MXFP4, 256, 4096, 2048, 6), (T.MXFP4, 1, 4096, 4096, 1),
+              (T.Q8_0, 1, 129280, 4096, 1), (T.Q8_0, 8, 32768, 1024, 1)]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["ggml", "planar"])
 @pytest.mark.parametrize("qtype,E,n_out,n_in,X", GPU_SHAPES)
-def test_the_compiled_kernel_agrees_with_the_xla_spelling_on_the_gpu(qtype, E, n_out, n_in, X):
+def test_the_compiled_kernel_agrees_with_the_xla_spelling_on_the_gpu(qtype, E, n_out, n_in, X, layout):
+    if (qtype, layout) not in KINDS:
+        pytest.skip(f"the kernel does not take {qtype.name} in the {layout} layout")
     rng = np.random.default_rng(3)
     one = random_quantized(rng, qtype, (1, min(n_out, 2048), n_in))
-    raw = jax.device_put(np.concatenate([np.tile(one, (1, n_out // one.shape[1], 1)) for _ in range(min(E, 8))]))
+    raw = np.concatenate([np.tile(one, (1, -(-n_out // one.shape[1]), 1))[:, :n_out] for _ in range(min(E, 8))])
     K = 6 if E > 1 else 1
     idx = jnp.asarray(rng.integers(0, raw.shape[0], K), jnp.int32)
     x = jnp.asarray(rng.standard_normal((X if X > 1 else 1, n_in)), jnp.float32)
-    got = np.asarray(jax.jit(lambda x, r, i: rows_matvec(x, r, i, qtype))(x, raw, idx))
-    want = np.asarray(jax.jit(lambda x, r, i: xla_rows_matvec(x, r, i, qtype))(x, raw, idx))
+    rows = jax.device_put(to_planar(raw, qtype) if layout == "planar" else raw)
+    got = np.asarray(jax.jit(lambda x, r, i: rows_matvec(x, r, i, qtype, layout=layout))(x, rows, idx))
+    want = np.asarray(jax.jit(lambda x, r, i: xla_rows_matvec(x, r, i, qtype))(x, jax.device_put(raw), idx))
     assert np.isfinite(got).all() and _rel(got, want.astype(np.float64)) < 1e-5
+    if qtype == T.MXFP4:  # the other layout's kernel: the same bits (placements mix the two)
+        other = "ggml" if layout == "planar" else "planar"
+        rows2 = jax.device_put(to_planar(raw, qtype) if other == "planar" else raw)
+        got2 = np.asarray(jax.jit(lambda x, r, i: rows_matvec(x, r, i, qtype, layout=other))(x, rows2, idx))
+        np.testing.assert_array_equal(got, got2)
 
 
 @pytest.mark.gpu

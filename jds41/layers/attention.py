@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jds41.config import ModelConfig
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
-from jds41.quant import QTensor, qmatvec, qmatvec_experts
+from jds41.quant import qmatvec, qmatvec_experts
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -83,6 +83,6 @@ def output(cfg: ModelConfig, w: dict, o_HK: jax.Array, pos: jax.Array, freqs: ja
     o_GX = o_HK.reshape(G, -1)  # group g = heads g*H/G .. (g+1)*H/G - 1, concatenated
     # W_oa rows g*L .. (g+1)*L - 1 belong to group g: viewed as a [G, L, X] stack, each group is one "expert".
     wo_a = w["attn_output_a"]
-    stack = QTensor(jnp.asarray(wo_a.data).reshape(G, L, -1), wo_a.qtype, (G, L, wo_a.shape[-1]), wo_a.act_round)
+    stack = wo_a.with_rows(jnp.asarray(wo_a.data).reshape(G, L, -1), (G, L, wo_a.shape[-1]))
     o_GL = qmatvec_experts(o_GX, stack, jnp.arange(G, dtype=jnp.int32))
     return qmatvec(o_GL.reshape(-1), w["attn_output_b"])

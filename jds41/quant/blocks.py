@@ -135,9 +135,13 @@ def native_to_f32(x: jnp.ndarray, qtype: GGMLQuantizationType) -> jnp.ndarray:
 # Q8_0: f16 d, 32 x int8; x = d * q
 
 
-def _dec_q8_0(b):
-    d, qs = _split(b, 2, 32)
+def q8_0_values(d, qs):
+    """Q8_0 values from a block's fields: d uint8[..., 2] (f16 bytes), qs uint8[..., 32] -> f32[..., 32]."""
     return lax.bitcast_convert_type(qs, jnp.int8).astype(jnp.float32) * _f16(d)[..., None]
+
+
+def _dec_q8_0(b):
+    return q8_0_values(*_split(b, 2, 32))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -227,7 +231,11 @@ def _dec_iq2_xxs(b):
 
 
 def _dec_mxfp4(b):
-    e, qs = _split(b, 1, 16)
+    return mxfp4_values(*_split(b, 1, 16))
+
+
+def mxfp4_values(e, qs):
+    """MXFP4 values from a block's fields: e uint8[..., 1] (e8m0), qs uint8[..., 16] (nibbles) -> f32[..., 32]."""
     e = e.astype(jnp.int32)  # [..., 1]
     nib = (qs[..., None, :] >> _NIBBLE_SHIFT) & 0x0F  # [..., 2, 16]: a broadcast shift fuses; a concatenate did not
     nib = nib.reshape(*nib.shape[:-2], 32).astype(jnp.int32)

@@ -49,7 +49,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from jax import lax
 
-from jds41.quant import triton_matvec
+from jds41.quant import planar, triton_matvec
 from jds41.quant.blocks import (
     FLOAT_TYPES,
     NATIVE_DTYPES,
@@ -76,10 +76,15 @@ class QTensor:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     act_round: str | None = None  # None or "ggml-cpu": how products round the activation (module docstring)
+    # "ggml": rows as in the file; "planar": Q8_0 / MXFP4 rows regrouped on the device, quants first, then scales
+    # (jds41/quant/planar.py): the same values, aligned loads for the GPU kernels.
+    layout: str = "ggml"
 
     def __post_init__(self):
         if self.act_round not in ACT_ROUNDINGS:
             raise ValueError(f"act_round must be one of {ACT_ROUNDINGS}, got {self.act_round!r}")
+        if self.layout not in planar.LAYOUTS or (self.layout == "planar" and self.qtype not in planar.PLANAR_TYPES):
+            raise ValueError(f"layout {self.layout!r} does not apply to {GGMLQuantizationType(self.qtype).name}")
 
     @classmethod
     def from_raw(cls, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
@@ -128,10 +133,19 @@ class QTensor:
 
     def dequantize(self) -> jax.Array:
         """All values as f32, shape `data.shape[:-1] + (n_cols,)`. Traceable; materializes f32 unless fused."""
-        return _values(self.data, self.qtype)
+        return _values(self.data, self.qtype, self.layout)
+
+    def with_rows(self, data, shape: tuple[int, ...]) -> QTensor:
+        """The same kind of tensor (type, layout, activation rounding) over other rows of it, e.g. a gathered slice
+        or a reshape of the leading axes."""
+        return dataclasses.replace(self, data=data, shape=tuple(shape))
+
+    def with_layout(self, data, layout: str) -> QTensor:
+        """This tensor's rows in another layout (`data` must hold them so: jds41/quant/planar.py)."""
+        return dataclasses.replace(self, data=data, layout=layout)
 
 
-jax.tree_util.register_dataclass(QTensor, data_fields=["data"], meta_fields=["qtype", "shape", "act_round"])
+jax.tree_util.register_dataclass(QTensor, data_fields=["data"], meta_fields=["qtype", "shape", "act_round", "layout"])
 
 ACT_ROUNDINGS = (None, "ggml-cpu")
 _Q8_0_ACT_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.MXFP4)
@@ -163,10 +177,12 @@ def _act(x: jax.Array, w: QTensor) -> jax.Array:
     return x
 
 
-def _values(data, qtype: GGMLQuantizationType) -> jax.Array:
+def _values(data, qtype: GGMLQuantizationType, layout: str = "ggml") -> jax.Array:
     data = jnp.asarray(data)
     if qtype in FLOAT_TYPES:
         return native_to_f32(data, qtype)
+    if layout == "planar":
+        return planar.dequantize_planar(data, qtype)
     return dequantize_rows(data, qtype)
 
 
@@ -223,12 +239,12 @@ def qmatvec(x_in: jax.Array, w: QTensor) -> jax.Array:
         raise ValueError(f"qmatvec takes x[in] and a 2-d weight, got x{list(x_in.shape)} and w{list(w.data.shape)}")
     _check_in(x_in, w, "qmatvec")
     if _ROWS_AS_DOTS.get():
-        return jnp.einsum("i,oi->o", _act(x_in, w), _values(w.data, w.qtype), precision=lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)
-    xla = lambda x_I, raw_OR: _row_dot(_values(raw_OR, w.qtype), _act(x_I, w))  # 2-d: no [1, out, in] form
+        return jnp.einsum("i,oi->o", _act(x_in, w), _values(w.data, w.qtype, w.layout),
+                          precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    xla = lambda x_I, raw_OR: _row_dot(_values(raw_OR, w.qtype, w.layout), _act(x_I, w))  # 2-d: no [1, out, in]
     if not _kernel_applies(w):
         return xla(x_in, w.data)
-    return rows_matvec(x_in[None], jnp.asarray(w.data)[None], jnp.zeros(1, jnp.int32), w.qtype,
+    return rows_matvec(x_in[None], jnp.asarray(w.data)[None], jnp.zeros(1, jnp.int32), w.qtype, w.layout,
                        default=lambda x, raw, _idx: xla(x[0], raw[0])[None])[0]
 
 
@@ -244,7 +260,7 @@ def qmatmul(x_TD: jax.Array, w: QTensor, *, precision=lax.Precision.HIGHEST) -> 
     _check_in(x_TD, w, "qmatmul")
     if x_TD.shape[0] == 1:
         return qmatvec(x_TD[0], w)[None]
-    w_OD = _values(w.data, w.qtype)
+    w_OD = _values(w.data, w.qtype, w.layout)
     return jnp.einsum("td,od->to", _act(x_TD, w), w_OD, precision=precision,
                       preferred_element_type=jnp.float32)
 
@@ -259,8 +275,8 @@ def qmatmul_expert(x_TI: jax.Array, w_stack: QTensor, expert: jax.Array, *,
                          f"w{list(w_stack.data.shape)}")
     _check_in(x_TI, w_stack, "qmatmul_expert")
     raw = lax.dynamic_index_in_dim(jnp.asarray(w_stack.data), expert, 0, keepdims=False)
-    return jnp.einsum("ti,oi->to", _act(x_TI, w_stack), _values(raw, w_stack.qtype), precision=precision,
-                      preferred_element_type=jnp.float32)
+    return jnp.einsum("ti,oi->to", _act(x_TI, w_stack), _values(raw, w_stack.qtype, w_stack.layout),
+                      precision=precision, preferred_element_type=jnp.float32)
 
 
 def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array) -> jax.Array:
@@ -278,38 +294,41 @@ def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array) -> 
     if x.ndim == 2 and x.shape[0] != K:
         raise ValueError(f"qmatvec_experts: x has {x.shape[0]} rows for {K} experts")
     if _ROWS_AS_DOTS.get():
-        w_KOI = _values(jnp.take(jnp.asarray(w_stack.data), expert_idx_K, axis=0, mode="clip"), w_stack.qtype)
+        w_KOI = _values(jnp.take(jnp.asarray(w_stack.data), expert_idx_K, axis=0, mode="clip"), w_stack.qtype,
+                        w_stack.layout)
         spec = "ki,koi->ko" if x.ndim == 2 else "i,koi->ko"
         return jnp.einsum(spec, _act(x, w_stack), w_KOI, precision=lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
 
     x_XI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
+    layout = w_stack.layout
     if not _kernel_applies(w_stack):
-        return xla_rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype)
-    return rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype)
+        return xla_rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout)
+    return rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout)
 
 
-def xla_rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype) -> jax.Array:
+def xla_rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml") -> jax.Array:
     """The XLA spelling of the one-token product over raw rows: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i] ->
     f32 [K, O], the selected rows gathered as bytes and decoded inside the multiply-reduce fusion. Every platform
     but CUDA computes decode's products so; on CUDA it is the reference the Triton kernel is checked against."""
     raw_KOR = jnp.take(raw_EOR, idx_K, axis=0, mode="clip")
-    return _row_dot(_values(raw_KOR, qtype), jnp.asarray(x_XI, jnp.float32)[:, None, :])
+    return _row_dot(_values(raw_KOR, qtype, layout), jnp.asarray(x_XI, jnp.float32)[:, None, :])
 
 
-def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, default=None) -> jax.Array:
+def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml",
+                default=None) -> jax.Array:
     """`xla_rows_matvec`, computed on CUDA by the Triton kernel of triton_matvec (the choice is made when lowering:
     one traced function serves every platform). `default(x, raw, idx)` replaces the XLA spelling elsewhere; with
     JDS41_TRITON=interpret every platform runs the kernel, in Pallas' interpreter."""
     if triton_matvec.INTERPRET:
-        return triton_matvec.rows_matvec(x_XI, raw_EOR, idx_K, qtype, interpret=True)
-    kernel = lambda x, raw, idx: triton_matvec.rows_matvec(x, raw, idx, qtype)
-    xla = default or (lambda x, raw, idx: xla_rows_matvec(x, raw, idx, qtype))
+        return triton_matvec.rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout=layout, interpret=True)
+    kernel = lambda x, raw, idx: triton_matvec.rows_matvec(x, raw, idx, qtype, layout=layout)
+    xla = default or (lambda x, raw, idx: xla_rows_matvec(x, raw, idx, qtype, layout))
     return lax.platform_dependent(x_XI, raw_EOR, idx_K, cuda=kernel, default=xla)
 
 
 def _kernel_applies(w: QTensor) -> bool:
-    """The one-token product of `w` goes through the Triton kernel on CUDA (triton_matvec): its format and size
-    have one, and the activation is read as is (llama.cpp's activation rounding is a CPU oracle's numerics, kept
-    in XLA)."""
-    return w.act_round is None and triton_matvec.supported(w.qtype, w.nbytes)
+    """The one-token product of `w` goes through a Triton kernel on CUDA (triton_matvec): its format, layout and
+    size have one, and the activation is read as is (llama.cpp's activation rounding is a CPU oracle's numerics,
+    kept in XLA)."""
+    return w.act_round is None and triton_matvec.supported(w.qtype, w.nbytes, w.layout)

@@ -1,30 +1,34 @@
-"""The one-token MXFP4 product over raw GGML rows as a Pallas (Triton) kernel for the GPU: decode's fast path there.
+"""The one-token MXFP4 and Q8_0 products over raw rows as a Pallas (Triton) kernel for the GPU: decode's fast path.
 
 Why (experiments/README.md, "Where the step's time goes" and "The Triton kernel"): XLA:GPU fuses the block decode
 of `blocks._dec_mxfp4` into the multiply-and-sum of `qtensor._row_dot`, but read MXFP4 experts at 4-7% of HBM
 bandwidth on the H200: that decode assembles each value from bit fields with selects (exact on every backend, with
-subnormal scales), and its integer work, not the bytes, bounds the product.
+subnormal scales), and its integer work, not the bytes, bounds the product. Q8_0 rows in the GGML layout XLA read
+at ~900 GB/s (20% of HBM), and a kernel over them must load byte by byte (a first, strided-load design ran 4x
+slower than XLA and was dropped); in the planar layout (quant/planar.py) every load is contiguous and aligned.
 
-Owns `rows_matvec(x_XI, raw_EOR, idx_K, qtype) -> f32 [K, O]`: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i] over
-raw rows `raw[E, O, row_bytes]` exactly as they sit in the file (a whole stack, or the K rows a tier gathered), and
-`supported(qtype, stack_bytes)`, which says when it applies. `qtensor.qmatvec_experts` and `qtensor.qmatvec` call
-it on CUDA only (`lax.platform_dependent`); every other platform and format, and the `rows_as_dots` / `act_round`
-products, keep the XLA spelling, which stays the reference (tests/test_triton_matvec.py: the kernel in Pallas'
-interpreter on the CPU against a float64 re-derivation from gguf-py's dequantizer; on the GPU against XLA). A
-Q8_0 kernel of the first, strided-load design ran 4x slower than XLA's 900 GB/s there and was dropped.
+Owns `rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout) -> f32 [K, O]`: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i]
+over raw rows `raw[E, O, row_bytes]` (a whole stack, or the K rows a tier gathered): MXFP4 in the GGML layout (as
+in the file: the tiers' rows) or the planar one (resident weights), Q8_0 in the planar one; `supported(...)`, which
+says when it applies; and `planar_weights()`, whether an engine regroups its resident weights for it.
+`qtensor.qmatvec_experts` and `qtensor.qmatvec` call it on CUDA only (`lax.platform_dependent`); every other
+platform and format, and the `rows_as_dots` / `act_round` products, keep the XLA spelling, which stays the
+reference (tests/test_triton_matvec.py: the kernel in Pallas' interpreter on the CPU against a float64
+re-derivation from gguf-py's dequantizer; on the GPU against XLA).
 
-Loads: an MXFP4 block is 17 bytes, not a power of two, as Triton's tiles must be. A program's step gathers the
-[BO rows, NB blocks, 16] nibble bytes with explicit offsets (row * row_bytes + block * 17 + 1 + p: each block's 16
-bytes contiguous, so a warp's loads coalesce), the [BO, NB] scale bytes, and the [NB, 16] x values of the low and
-the high nibbles. Decode: `_e2m1_doubled`, integer and float ops per value, no conversion or select.
+Loads: a program's step gathers [BO rows, NB blocks, P] quant bytes with explicit offsets (row * row_bytes + the
+block's quant offset + p): in the GGML layout an MXFP4 block's 16 bytes start at block * 17 + 1 (contiguous, so a
+warp's loads coalesce, but unaligned); in the planar layout at block * P from the row's start (P = 16 for MXFP4,
+32 for Q8_0; aligned, so Triton can load 16 bytes at once). Then the [BO, NB] scale bytes and the x values.
+MXFP4 decode: `_e2m1_doubled`, integer and float ops per value, no conversion or select.
 
-Arithmetic (the same for every program, whatever E, K, the row's tier or the grid): within a block the 16 (low
-value * x + high value * x) terms are summed, times the block's scale; the NB blocks of a step are summed and added
-to one f32 accumulator per row, step after step. That is not XLA's order, so the kernel agrees with the XLA path
-to f32 rounding, not bitwise; decode stays exact against itself because every MXFP4 one-token product on CUDA is
-this kernel with a tile set by the shape alone (placements, drafting, prompt pieces and row-batched decode alike).
-`JDS41_TRITON=0` in the environment turns the kernel off (read once, at import: for A/B benchmarks); without
-Pallas' Triton backend (deprecated in jax 0.11) the XLA path runs.
+Arithmetic (the same for every program, whatever E, K, the row's tier, the layout or the grid): within a block the
+quant * x terms are summed (MXFP4: 16 low * x + high * x terms), times the block's scale; the NB blocks of a step
+are summed and added to one f32 accumulator per row, step after step. That is not XLA's order, so the kernel
+agrees with the XLA path to f32 rounding, not bitwise; decode stays exact against itself because every such
+one-token product on CUDA is this kernel with a tile set by the shape alone (placements, layouts, drafting, prompt
+pieces and row-batched decode alike). `JDS41_TRITON=0` in the environment turns the kernel off (read once, at
+import: for A/B benchmarks); without Pallas' Triton backend (deprecated in jax 0.11) the XLA path runs.
 """
 
 from __future__ import annotations
@@ -45,8 +49,11 @@ from jax.experimental import pallas as pl
 # (tests/test_triton_engine.py).
 _MODE = os.environ.get("JDS41_TRITON", "1")
 ENABLED, INTERPRET = _MODE != "0", _MODE == "interpret"
+# JDS41_PLANAR=0 keeps resident weights in the GGML layout (for A/B benchmarks of the planar kernels).
+PLANAR = os.environ.get("JDS41_PLANAR", "1") != "0"
 _BACKEND = importlib.util.find_spec("jax.experimental.pallas.triton") is not None  # deprecated upstream (jax 0.11)
 VALUES, BLOCK_BYTES = 32, 17  # an MXFP4 block: one e8m0 scale byte, then 16 bytes of e2m1 nibbles
+Q8_0_BLOCK_BYTES = 34  # a Q8_0 block: an f16 scale, then 32 int8 values
 # The tile (rows per program BO, blocks per step NB, warps): BO and NB are the largest powers of two up to these
 # that divide the shape (Triton's tiles are powers of two), so any whole-block row length runs.
 BO_MAX, NB_MAX, NUM_WARPS = 16, 16, 4
@@ -55,9 +62,20 @@ BO_MAX, NB_MAX, NUM_WARPS = 16, 16, 4
 MAX_STACK_BYTES = (1 << 31) - 1
 
 
-def supported(qtype, stack_bytes: int) -> bool:
-    """Whether `rows_matvec` takes this stack (else the XLA path computes the product)."""
-    return ENABLED and (_BACKEND or INTERPRET) and qtype == T.MXFP4 and stack_bytes <= MAX_STACK_BYTES
+def supported(qtype, stack_bytes: int, layout: str = "ggml") -> bool:
+    """Whether `rows_matvec` takes this stack (else the XLA path computes the product): MXFP4 rows in either layout,
+    Q8_0 rows in the planar one (jds41/quant/planar.py), stacks under 2^31 bytes."""
+    kinds = {(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar")}
+    return ENABLED and (_BACKEND or INTERPRET) and (qtype, layout) in kinds and stack_bytes <= MAX_STACK_BYTES
+
+
+def planar_weights(act_round: str | None = None) -> bool:
+    """Whether an engine regroups its resident Q8_0 / MXFP4 weights into planar rows (jds41/quant/planar.py) for
+    these kernels: where they run (CUDA, or every platform with JDS41_TRITON=interpret) and the activation is read
+    as is. Elsewhere the GGML rows stay, and XLA reads either layout to the same bits."""
+    if not (ENABLED and PLANAR) or act_round is not None or not (_BACKEND or INTERPRET):
+        return False
+    return INTERPRET or jax.default_backend() == "gpu"
 
 
 def _largest_power_of_two_dividing(n: int, most: int) -> int:
@@ -91,38 +109,57 @@ def _e2m1_doubled(q, shift: int):
     return lax.bitcast_convert_type(lax.bitcast_convert_type(kv, jnp.uint32) ^ sign, jnp.float32)
 
 
-def _kernel(idx_ref, x_ref, w_ref, o_ref, *, n_out: int, bo: int, nb: int, steps: int, x_per_row: bool):
+def _mxfp4_block_sums(q, x_lo, x_hi):
+    """[BO, NB, 16] nibble bytes (uint32) times the block's [1, NB, 16] low / high x values -> [BO, NB] sums."""
+    return jnp.sum(_e2m1_doubled(q, 0) * x_lo + _e2m1_doubled(q, 4) * x_hi, axis=2)
+
+
+def _kernel(idx_ref, x_ref, w_ref, o_ref, *, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
+            steps: int, x_per_row: bool):
     k, j = pl.program_id(0), pl.program_id(1)
     e = idx_ref[k]
     kx = k if x_per_row else jnp.int32(0)
     rows = e * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, row_bytes] stack
+    r3, r2 = rows[:, None, None], rows[:, None]
     blk = jnp.arange(nb, dtype=jnp.int32)[:, None]
-    pos = jnp.arange(16, dtype=jnp.int32)[None, :]
 
     def step(t, acc_O):
         b = t * nb + blk  # [NB, 1]: this step's blocks
-        q = w_ref[rows[:, None, None], (b * BLOCK_BYTES + 1 + pos)[None]].astype(jnp.uint32)  # [BO, NB, 16]
-        scale = _mxfp4_scale(w_ref[rows[:, None], (b[:, 0] * BLOCK_BYTES)[None, :]])  # [BO, NB]
-        x_lo = x_ref[kx, b * VALUES + pos][None]  # [1, NB, 16]: values 0-15 of each block (low nibbles)
-        x_hi = x_ref[kx, b * VALUES + 16 + pos][None]  # values 16-31 (high nibbles)
-        sums = jnp.sum(_e2m1_doubled(q, 0) * x_lo + _e2m1_doubled(q, 4) * x_hi, axis=2)  # [BO, NB]
+        if qtype == T.Q8_0:  # planar only: 32 quant bytes per block from the row's start, f16 scales after them
+            pos = jnp.arange(VALUES, dtype=jnp.int32)[None, :]
+            q = lax.bitcast_convert_type(w_ref[r3, (b * VALUES + pos)[None]], jnp.int8).astype(jnp.float32)
+            x = x_ref[kx, b * VALUES + pos][None]  # [1, NB, 32]
+            lo = w_ref[r2, (n_in + 2 * b[:, 0])[None, :]].astype(jnp.uint16)  # [BO, NB]: the f16 scale's bytes
+            hi = w_ref[r2, (n_in + 2 * b[:, 0] + 1)[None, :]].astype(jnp.uint16)
+            scale = lax.bitcast_convert_type(lo | (hi << 8), jnp.float16).astype(jnp.float32)
+            sums = jnp.sum(q * x, axis=2)
+        else:  # MXFP4: 16 nibble bytes per block; planar rows hold them from the row's start, scale bytes after
+            pos = jnp.arange(16, dtype=jnp.int32)[None, :]
+            q_at, e_at = (b * 16, n_in // 2 + b[:, 0]) if planar else (b * BLOCK_BYTES + 1, b[:, 0] * BLOCK_BYTES)
+            q = w_ref[r3, (q_at + pos)[None]].astype(jnp.uint32)  # [BO, NB, 16]
+            scale = _mxfp4_scale(w_ref[r2, e_at[None, :]])  # [BO, NB]
+            x_lo = x_ref[kx, b * VALUES + pos][None]  # [1, NB, 16]: values 0-15 of each block (low nibbles)
+            x_hi = x_ref[kx, b * VALUES + 16 + pos][None]  # values 16-31 (high nibbles)
+            sums = _mxfp4_block_sums(q, x_lo, x_hi)
         return acc_O + jnp.sum(sums * scale, axis=1)
 
     o_ref[0, :] = lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("qtype", "interpret", "tile"))
-def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, interpret: bool = False,
-                tile: tuple[int, int, int] | None = None) -> jax.Array:
-    """y[k, o] = sum_i W[idx[k], o, i] x[k, i] (x [K, I]) or x[0, i] (x [1, I]) -> f32 [K, O], from raw GGML rows
-    `raw_EOR` uint8 [E, O, row_bytes] of `qtype`. Indices are clamped to the stack like `jnp.take(mode="clip")`.
-    `interpret` runs the kernel in Pallas' interpreter (any platform: the CPU tests); `tile` (BO, NB, warps)
-    overrides the tile for benchmarks (BO must divide O and NB the row's blocks)."""
+@functools.partial(jax.jit, static_argnames=("qtype", "layout", "interpret", "tile"))
+def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml",
+                interpret: bool = False, tile: tuple[int, int, int] | None = None) -> jax.Array:
+    """y[k, o] = sum_i W[idx[k], o, i] x[k, i] (x [K, I]) or x[0, i] (x [1, I]) -> f32 [K, O], from raw rows
+    `raw_EOR` uint8 [E, O, row_bytes] of `qtype` in `layout` ("ggml" as in the file, or "planar"). Indices are
+    clamped to the stack like `jnp.take(mode="clip")`. `interpret` runs the kernel in Pallas' interpreter (any
+    platform: the CPU tests); `tile` (BO, NB, warps) overrides the tile for benchmarks (BO must divide O and NB the
+    row's blocks)."""
     E, n_out, R = raw_EOR.shape
     K, X, n_in = idx_K.shape[0], x_XI.shape[0], x_XI.shape[1]
-    if qtype != T.MXFP4:
-        raise ValueError(f"rows_matvec does not take {qtype.name} rows")
-    if n_in % VALUES or R != n_in // VALUES * BLOCK_BYTES or X not in (1, K):
+    if (qtype, layout) not in {(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar")}:
+        raise ValueError(f"rows_matvec does not take {qtype.name} rows in the {layout} layout")
+    block_bytes = BLOCK_BYTES if qtype == T.MXFP4 else Q8_0_BLOCK_BYTES
+    if n_in % VALUES or R != n_in // VALUES * block_bytes or X not in (1, K):
         raise ValueError(f"rows_matvec: rows of {R} bytes for {n_in} inputs, x with {X} rows for {K} indices")
     if E * n_out * R > MAX_STACK_BYTES:
         raise ValueError(f"rows_matvec: a stack of {E * n_out * R} bytes needs 64-bit offsets")
@@ -130,14 +167,19 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, in
                              _largest_power_of_two_dividing(n_in // VALUES, NB_MAX), NUM_WARPS)
     if n_out % bo or (n_in // VALUES) % nb:
         raise ValueError(f"tile ({bo}, {nb}) does not divide {n_out} rows of {n_in // VALUES} blocks")
-    kernel = functools.partial(_kernel, n_out=n_out, bo=bo, nb=nb, steps=n_in // (nb * VALUES), x_per_row=X > 1)
+    kernel = functools.partial(_kernel, qtype=qtype, planar=layout == "planar", n_in=n_in, n_out=n_out, bo=bo, nb=nb,
+                               steps=n_in // (nb * VALUES), x_per_row=X > 1)
     params = None
-    if not interpret:
+    if interpret:  # Interpreted, the kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two
+        # calls on one weight could then share its decoded loads (CSE) and fuse, and so round, by their surroundings.
+        # The barrier keeps each call's arithmetic its own, as the compiled Triton kernel's is on the GPU.
+        x_XI, raw_EOR = lax.optimization_barrier((x_XI, raw_EOR))
+    else:
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=warps, num_stages=2)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((K, n_out), jnp.float32), grid=(K, n_out // bo),
         out_specs=pl.BlockSpec((1, bo), lambda k, j: (k, j)), compiler_params=params, interpret=interpret,
-        name=f"rows_matvec_{qtype.name.lower()}",
+        name=f"rows_matvec_{qtype.name.lower()}_{layout}",
     )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI.astype(jnp.float32), raw_EOR.reshape(E * n_out, R))

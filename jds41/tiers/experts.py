@@ -216,7 +216,7 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
         if tl.source is not None:
             rows = jnp.where(on_ssd[:, None, None], ssd[i], rows)
         ref = tl.hbm[n]
-        selected[n] = QTensor(rows, ref.qtype, (idx_K.shape[0], *ref.shape[1:]), ref.act_round)
+        selected[n] = ref.with_rows(rows, (idx_K.shape[0], *ref.shape[1:]))
     return selected
 
 

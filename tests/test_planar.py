@@ -1,0 +1,99 @@
+"""The planar row layout (jds41/quant/planar.py): Q8_0 / MXFP4 rows regrouped quants-first on the device.
+
+Checks: the regrouping is a permutation of each row's bytes with the documented order (and its inverse); planar rows
+decode to gguf-py's values bit for bit (MXFP4 with subnormal scales included); every XLA product over planar rows
+equals the same product over GGML rows bit for bit; `planar_params` regroups dense Q8_0 / MXFP4 matrices and MXFP4
+expert stacks but leaves Q8_0 expert stacks and other leaves alone; an engine with planar weights gives the
+logits of the GGML engine bit for bit on the CPU (XLA reads both layouts).
+"""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from jds41.quant import QTensor, qmatmul, qmatvec, qmatvec_experts
+from jds41.quant.planar import dequantize_planar, from_planar, planar_params, quant_bytes, to_planar
+from jds41.quant.random_blocks import random_quantized
+
+FORMATS = [T.Q8_0, T.MXFP4]
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_planar_rows_hold_every_blocks_quants_then_every_scale(qtype):
+    rng = np.random.default_rng(0)
+    raw = random_quantized(rng, qtype, (3, 5, 256))  # 8 blocks per row
+    h, p = (2, 32) if qtype == T.Q8_0 else (1, 16)
+    planar = to_planar(raw, qtype)
+    assert planar.shape == raw.shape and planar.dtype == np.uint8
+    blocks = raw.reshape(3, 5, 8, h + p)
+    for b in range(8):  # block b's quants at b*p from the row's start, its scale bytes after all the quants
+        np.testing.assert_array_equal(planar[..., b * p:(b + 1) * p], blocks[..., b, h:])
+        np.testing.assert_array_equal(planar[..., 8 * p + b * h:8 * p + (b + 1) * h], blocks[..., b, :h])
+    assert quant_bytes(qtype, 256) == 8 * p
+    np.testing.assert_array_equal(from_planar(planar, qtype), raw)
+    np.testing.assert_array_equal(np.asarray(to_planar(jnp.asarray(raw), qtype)), planar)  # jax spelling too
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_planar_rows_decode_to_gguf_values_bit_for_bit(qtype):
+    rng = np.random.default_rng(1)
+    raw = random_quantized(rng, qtype, (7, 512))
+    if qtype == T.MXFP4:  # subnormal scales (e8m0 0 and 1) and the largest ones, which XLA:CPU must not flush
+        raw.reshape(7, 16, 17)[:3, :4, 0] = [[0, 1, 2, 200]] * 3
+    want = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+    got = np.asarray(jax.jit(dequantize_planar, static_argnums=1)(to_planar(raw, qtype), qtype))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", FORMATS)
+def test_xla_products_over_planar_rows_equal_those_over_ggml_rows(qtype):
+    rng = np.random.default_rng(2)
+    raw = random_quantized(rng, qtype, (6, 48, 1024))
+    ggml = QTensor.from_raw(raw, qtype, (6, 48, 1024))
+    planar = ggml.with_layout(jnp.asarray(to_planar(raw, qtype)), "planar")
+    x = jnp.asarray(rng.standard_normal(1024), jnp.float32)
+    xs = jnp.asarray(rng.standard_normal((5, 1024)), jnp.float32)
+    idx = jnp.asarray([3, 0, 5, 5], jnp.int32)
+    for fn in (lambda w: qmatvec_experts(x, w, idx), lambda w: qmatvec_experts(xs[:4], w, idx),
+               lambda w: qmatvec(x, w.with_rows(w.data[1], (48, 1024))),
+               lambda w: qmatmul(xs, w.with_rows(w.data[2], (48, 1024)))):
+        np.testing.assert_array_equal(np.asarray(jax.jit(fn)(planar)), np.asarray(jax.jit(fn)(ggml)))
+
+
+def test_planar_params_regroup_dense_matrices_and_mxfp4_stacks_only():
+    rng = np.random.default_rng(3)
+
+    def q(qtype, shape):
+        return QTensor.from_raw(random_quantized(rng, qtype, shape), qtype, shape)
+
+    params = {"output": q(T.Q8_0, (64, 256)), "output_norm": jnp.ones(256),
+              "blocks": [{"attn_q_a": q(T.MXFP4, (32, 256)), "ffn_gate_exps": q(T.MXFP4, (4, 32, 256)),
+                          "ffn_up_exps": q(T.Q8_0, (4, 32, 256)), "ffn_down_exps": q(T.F32, (4, 256, 32)),
+                          "ffn_gate_inp": q(T.F32, (4, 256))}]}
+    out = planar_params(params)
+    layouts = {k: v.layout for k, v in out["blocks"][0].items()}
+    assert layouts == {"attn_q_a": "planar", "ffn_gate_exps": "planar", "ffn_up_exps": "ggml",
+                       "ffn_down_exps": "ggml", "ffn_gate_inp": "ggml"}
+    assert out["output"].layout == "planar" and out["output_norm"] is params["output_norm"]
+    for name in ("attn_q_a", "ffn_gate_exps"):
+        before, after = params["blocks"][0][name], out["blocks"][0][name]
+        np.testing.assert_array_equal(np.asarray(after.data), to_planar(np.asarray(before.data), before.qtype))
+    with pytest.raises(ValueError, match="layout"):
+        QTensor.from_raw(np.zeros((4, 4), np.float32), T.F32, (4, 4)).with_layout(None, "planar")
+
+
+@pytest.mark.parametrize("quant", ["q8", "mxfp4"])
+def test_an_engine_with_planar_weights_gives_the_ggml_logits(synthetic_model, quant):
+    from jds41.engine import Engine
+
+    engine = Engine.open(str(synthetic_model("deepseek4", "tiny", quant)), max_ctx=64)
+    toks = [5, 9, 13, 2, 77, 31]
+    want = engine.session().feed(toks, all_logits=True)
+    planar = engine.with_params(planar_params(engine.params))
+    assert planar.params["output"].layout == "planar"
+    np.testing.assert_array_equal(planar.session().feed(toks, all_logits=True), want)
