@@ -8,7 +8,7 @@ routed-expert product read MXFP4 at 7% of HBM bandwidth through XLA (experiments
 
 Each timed call runs `--reps` products in one jitted `fori_loop`, the expert indices moving on every iteration so
 the rows come from HBM, not from the 60 MB L2 (one call reads 27 MB; 50 calls walk 300 experts of the 1.1 GB
-stack). `--tiles` also sweeps the kernel's tile (rows per program, blocks per step, warps) on the expert shapes.
+stack). `--tiles` also sweeps the kernel's tile (rows per program, blocks per step) on every shape but "dense".
 CPU runs check the code path only (the kernel then runs in Pallas' interpreter on a shrunk shape).
 """
 
@@ -31,7 +31,7 @@ from jds41.quant import row_bytes  # noqa: E402
 from jds41.quant.planar import to_planar  # noqa: E402
 from jds41.quant.qtensor import xla_rows_matvec  # noqa: E402
 from jds41.quant.random_blocks import random_quantized  # noqa: E402
-from jds41.quant.triton_matvec import rows_matvec, supported  # noqa: E402
+from jds41.quant.triton_matvec import default_tile, rows_matvec, supported  # noqa: E402
 
 # (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4), one
 # dense MXFP4 matrix of the model width, and its dense Q8_0 matrices: attention's q_b [32768, 1024] and o_b
@@ -41,11 +41,12 @@ SHAPES = (
     ("experts-gate-up", T.MXFP4, 256, 2048, 4096, 6, 1),
     ("experts-down", T.MXFP4, 256, 4096, 2048, 6, 6),
     ("dense", T.MXFP4, 32, 4096, 4096, 1, 1),
+    ("shared-expert", T.Q8_0, 16, 2048, 4096, 1, 1),
     ("attn-q-b", T.Q8_0, 8, 32768, 1024, 1, 1),
     ("attn-o-b", T.Q8_0, 8, 4096, 8192, 1, 1),
     ("head", T.Q8_0, 1, 129280, 4096, 1, 1),
 )
-TILES = [(bo, nb, w) for bo in (8, 16, 32, 64) for nb in (8, 16, 32) for w in (4, 8)]
+TILES = [(bo, nb, 4) for bo in (1, 2, 4, 8, 16) for nb in (16, 32, 64, 128)]  # --tiles: filtered by shape
 
 
 def _stack(rng, qtype, E: int, n_out: int, n_in: int) -> jax.Array:
@@ -78,7 +79,7 @@ def _seconds(fn, *args, repeats: int = 3) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--tiles", action="store_true", help="also sweep the kernel's tile on the expert shapes")
+    ap.add_argument("--tiles", action="store_true", help="also sweep the kernel tile (every shape but dense)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
@@ -97,10 +98,13 @@ def main(argv=None) -> int:
         nbytes = K * n_out * row_bytes(qtype, n_in)
         shape = {"shape": name, "qtype": qtype.name, "experts": E, "out": n_out, "in": n_in, "k": K, "bytes": nbytes}
         want = np.asarray(jax.jit(lambda x, r, i, q=qtype: xla_rows_matvec(x, r, i, q))(x, ggml, idx0))
-        tiled = a.tiles and name in ("experts-gate-up", "experts-down", "head")
         paths = [("xla", "ggml", None), ("xla", "planar", None)]
         paths += [("triton", lay, None) for lay in ("ggml", "planar") if supported(qtype, 0, lay)]
-        paths += [("triton", "planar", t) for t in TILES] if tiled else []
+        if a.tiles and name != "dense":  # the layout the engine gives the kernel: GGML experts, planar dense
+            lay = "ggml" if name.startswith("experts") else "planar"
+            bytes_per_block = 32 if qtype == T.Q8_0 else 16
+            paths += [("triton", lay, t) for t in TILES if n_out % t[0] == 0 and (n_in // 32) % t[1] == 0
+                      and t[0] * t[1] * bytes_per_block <= 16384 and t != default_tile(qtype, K, n_out, n_in)]
         for path, layout, tile in paths:
             if path == "xla":
                 product = lambda x, r, i, q=qtype, lay=layout: xla_rows_matvec(x, r, i, q, lay)
@@ -115,6 +119,7 @@ def main(argv=None) -> int:
                 emit({**common, **shape, "path": path, "layout": layout, "tile": tile,
                       "error": f"{type(e).__name__}: {e}"[:400]}, a.out)
                 continue
+            tile = tile or (default_tile(qtype, K, n_out, n_in) if path == "triton" else None)
             emit({**common, **shape, "path": path, "layout": layout, "tile": tile, "us": round(s * 1e6, 2),
                   "gb_per_s": round(nbytes / s / 1e9, 1), "hbm_share": round(nbytes / s / BW["hbm"], 4),
                   "max_rel_diff_vs_xla": float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))}, a.out)

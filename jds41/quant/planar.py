@@ -89,19 +89,18 @@ ROUTED_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def planar_params(params: dict) -> dict:
-    """The parameter pytree with its Q8_0 / MXFP4 `QTensor` leaves regrouped into planar rows on the device (GGML
-    rows go in, donated, one tensor at a time); values unchanged, other leaves pass through.
+    """The parameter pytree with its dense Q8_0 / MXFP4 `QTensor` leaves regrouped into planar rows on the device
+    (GGML rows go in, donated, one tensor at a time); values unchanged, other leaves pass through.
 
-    Routed expert stacks are regrouped only when MXFP4: a tiered layer computes the rows it gathers from HBM, host
-    memory and the SSD in the GGML layout, and placements must give the resident bits. For MXFP4 the GPU kernel
-    reads both layouts with the same arithmetic (quant/triton_matvec.py), so they do; a Q8_0 stack keeps GGML rows
-    and XLA's product, resident or tiered alike."""
+    Routed expert stacks keep GGML rows: a tiered layer gathers its rows from HBM, host memory and the SSD in the
+    file's layout, and placements must give the resident bits, which needs one kernel arithmetic for both. Triton
+    compiled the two layouts' MXFP4 loads into different register layouts and so different in-block summation
+    orders on the H200 (tests/test_triton_matvec.py), so a stack's layout must not depend on its placement."""
     from jds41.quant.qtensor import QTensor
 
     def one(name: str, leaf):
-        if not isinstance(leaf, QTensor) or leaf.qtype not in PLANAR_TYPES or leaf.layout != "ggml":
-            return leaf
-        if name in ROUTED_STACKS and leaf.qtype != T.MXFP4:
+        if (not isinstance(leaf, QTensor) or leaf.qtype not in PLANAR_TYPES or leaf.layout != "ggml"
+                or name in ROUTED_STACKS):
             return leaf
         data = leaf.data if isinstance(leaf.data, jax.Array) else jax.device_put(leaf.data)
         return leaf.with_layout(_to_planar_on_device(data, leaf.qtype), "planar")

@@ -56,7 +56,11 @@ VALUES, BLOCK_BYTES = 32, 17  # an MXFP4 block: one e8m0 scale byte, then 16 byt
 Q8_0_BLOCK_BYTES = 34  # a Q8_0 block: an f16 scale, then 32 int8 values
 # The tile (rows per program BO, blocks per step NB, warps): BO and NB are the largest powers of two up to these
 # that divide the shape (Triton's tiles are powers of two), so any whole-block row length runs.
-BO_MAX, NB_MAX, NUM_WARPS = 16, 16, 4
+# The tile, set by the product's shape alone (so every path that computes a product of that shape, whatever the
+# tier, layout or batching, sums in the same order): BO rows per program, NB blocks per step, NUM_WARPS warps.
+# BO is made small enough that the grid has about PROGRAMS programs (a [2048, 4096] shared-expert matrix at BO = 16
+# was 128 programs for 132 SMs: latency-bound), NB large enough that a program's step loads about STEP_BYTES.
+BO_MAX, PROGRAMS, STEP_BYTES, NB_MIN, NUM_WARPS = 16, 1024, 8192, 16, 4
 # Offsets into the stack are 32-bit in Triton's lowering below 2^32 bytes, and signed products overflowed past
 # 2^31 on the H200 (an illegal address with a 2.3 GB Q8_0 stack): larger stacks keep the XLA path.
 MAX_STACK_BYTES = (1 << 31) - 1
@@ -79,10 +83,18 @@ def planar_weights(act_round: str | None = None) -> bool:
 
 
 def _largest_power_of_two_dividing(n: int, most: int) -> int:
-    b = most
+    b = 1 << max(0, int(most).bit_length() - 1)  # the largest power of two <= most
     while n % b:
         b //= 2
     return b
+
+
+def default_tile(qtype, K: int, n_out: int, n_in: int) -> tuple[int, int, int]:
+    """(BO, NB, warps) for K products of [n_out, n_in] rows (the module's tile rule; a function of the shape only)."""
+    bo = _largest_power_of_two_dividing(n_out, min(BO_MAX, max(1, K * n_out // PROGRAMS)))
+    quant = VALUES if qtype == T.Q8_0 else VALUES // 2  # quant bytes per block
+    nb = _largest_power_of_two_dividing(n_in // VALUES, max(NB_MIN, STEP_BYTES // (bo * quant)))
+    return bo, nb, NUM_WARPS
 
 
 def _mxfp4_scale(e):
@@ -163,8 +175,7 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
         raise ValueError(f"rows_matvec: rows of {R} bytes for {n_in} inputs, x with {X} rows for {K} indices")
     if E * n_out * R > MAX_STACK_BYTES:
         raise ValueError(f"rows_matvec: a stack of {E * n_out * R} bytes needs 64-bit offsets")
-    bo, nb, warps = tile or (_largest_power_of_two_dividing(n_out, BO_MAX),
-                             _largest_power_of_two_dividing(n_in // VALUES, NB_MAX), NUM_WARPS)
+    bo, nb, warps = tile or default_tile(qtype, K, n_out, n_in)
     if n_out % bo or (n_in // VALUES) % nb:
         raise ValueError(f"tile ({bo}, {nb}) does not divide {n_out} rows of {n_in // VALUES} blocks")
     kernel = functools.partial(_kernel, qtype=qtype, planar=layout == "planar", n_in=n_in, n_out=n_out, bo=bo, nb=nb,
