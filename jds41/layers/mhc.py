@@ -44,6 +44,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jds41.layers import sinkhorn_kernel
 from jds41.layers.norm import rms_norm
 from jds41.layers.rowwise import island, map_rows
 
@@ -101,7 +102,8 @@ def _sinkhorn(logits_SD: jax.Array, hc_eps: float, iters: int) -> jax.Array:
 
     # Unrolled on purpose: iters is static (20 in V4/V4.1) and each round is a few elementwise ops on [H, H]. As a
     # fori_loop, XLA:GPU ran every round as its own host-launched kernel outside the step's command buffer (16 loops
-    # of 19 rounds per V4-Flash 8-layer token); unrolled, a sublayer's Sinkhorn is one fusion. Same ops, same order.
+    # of 19 rounds per V4-Flash 8-layer token: 296 tok/s unrolled against 226). Unrolled it is still ~20 fusions
+    # (each round reads all of the last), so on CUDA hc_split runs sinkhorn_kernel instead; this is the reference.
     for _ in range(iters - 1):
         c_SD = c_SD / (_row_sums(c_SD)[..., :, None] + eps)
         c_SD = c_SD / (_col_sums(c_SD)[..., None, :] + eps)
@@ -122,7 +124,11 @@ def hc_split(mix_M: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_eps: fl
     pre = jax.nn.sigmoid(mix_M[..., :H] * scale_3[0] + base_M[:H]) + jnp.float32(hc_eps)
     post = 2.0 * jax.nn.sigmoid(mix_M[..., H:2 * H] * scale_3[1] + base_M[H:2 * H])
     logits = mix_M[..., 2 * H:] * scale_3[2] + base_M[2 * H:]
-    comb = _sinkhorn(logits.reshape(*logits.shape[:-1], H, H), hc_eps, iters)
+    logits = logits.reshape(*logits.shape[:-1], H, H)
+    if sinkhorn_kernel.applies(H):
+        comb = sinkhorn_kernel.sinkhorn(logits, hc_eps, iters, default=lambda x: _sinkhorn(x, hc_eps, iters))
+    else:
+        comb = _sinkhorn(logits, hc_eps, iters)
     return island((pre, post, comb))
 
 

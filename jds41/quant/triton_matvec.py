@@ -66,6 +66,11 @@ BO_MAX, PROGRAMS, STEP_BYTES, NB_MIN, NUM_WARPS = 16, 1024, 8192, 16, 4
 MAX_STACK_BYTES = (1 << 31) - 1
 
 
+def has_triton_backend() -> bool:
+    """Whether this JAX has Pallas' Triton backend (deprecated upstream in jax 0.11)."""
+    return _BACKEND
+
+
 def supported(qtype, stack_bytes: int, layout: str = "ggml") -> bool:
     """Whether `rows_matvec` takes this stack (else the XLA path computes the product): MXFP4 rows in either layout,
     Q8_0 rows in the planar one (jds41/quant/planar.py), stacks under 2^31 bytes."""

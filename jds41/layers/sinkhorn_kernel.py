@@ -1,0 +1,112 @@
+"""mHC's Sinkhorn normalisation (layers/mhc.py `_sinkhorn`) as one Pallas (Triton) kernel per call on the GPU.
+
+Why (experiments/README.md, "Where a decode token's time goes"): the comb matrix is 4 x 4, and its 20 rounds of
+row and column normalisation are a chain in which every round reads every value of the round before. XLA:GPU cannot
+fuse such a chain without recomputing it exponentially, so it cut it into about 20 kernels of ~1.3 us per sublayer:
+on the V4-Flash 8-layer shape, 370 of the 857 kernels of a decode step. Here one program takes one row's 16 logits
+into registers and runs the whole normalisation in scalar code, in the order `_sinkhorn` writes it (maxima and sums
+left to right), so a sublayer's comb is one launch.
+
+`sinkhorn(logits_SD, hc_eps, iters)` takes logits [..., H, H] (any leading axes: decode's one row, a block's rows,
+a vmapped batch); on CUDA it runs the kernel (one program per row: each row's arithmetic is the same whatever the
+rows around it), elsewhere `default` (mhc's XLA spelling, the reference). The kernel's exp and division are
+Triton's, so it agrees with the XLA spelling to f32 rounding, not bitwise; every comb on CUDA is this kernel, so
+decode, verification and prefill rows stay exact against each other there. JDS41_TRITON=0 turns it off, and
+JDS41_TRITON=interpret runs it on every platform in Pallas' interpreter (tests/test_sinkhorn_kernel.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jds41.quant import triton_matvec
+
+H = 4  # hyper-connection copies: the only count the validated configs allow
+
+
+def _kernel(l_ref, o_ref, *, eps: float, iters: int):
+    i = pl.program_id(0)
+    eps = jnp.float32(eps)
+    lg = [[l_ref[i, s * H + d] for d in range(H)] for s in range(H)]  # [src][dst] scalars
+    c = []
+    for s in range(H):
+        m = lg[s][0]
+        for d in range(1, H):
+            m = jnp.maximum(m, lg[s][d])
+        e = [jnp.exp(lg[s][d] - m) for d in range(H)]
+        total = e[0]
+        for d in range(1, H):
+            total = total + e[d]
+        c.append([e[d] / total + eps for d in range(H)])  # softmax over dst, + hc_eps
+
+    def cols(c):
+        out = []
+        for d in range(H):
+            total = c[0][d]
+            for s in range(1, H):
+                total = total + c[s][d]
+            out.append(total + eps)
+        return [[c[s][d] / out[d] for d in range(H)] for s in range(H)]
+
+    def rows(c):
+        out = []
+        for s in range(H):
+            total = c[s][0]
+            for d in range(1, H):
+                total = total + c[s][d]
+            out.append(total + eps)
+        return [[c[s][d] / out[s] for d in range(H)] for s in range(H)]
+
+    c = cols(c)
+    for _ in range(iters - 1):
+        c = cols(rows(c))
+    for s in range(H):
+        for d in range(H):
+            o_ref[i, s * H + d] = c[s][d]
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "iters", "interpret"))
+def sinkhorn_rows(logits_N16: jax.Array, eps: float, iters: int, interpret: bool = False) -> jax.Array:
+    """The kernel over N rows of 16 logits (src-major) -> the N combs, [N, 16] f32."""
+    n = logits_N16.shape[0]
+    params = None
+    if interpret:  # interpreted, the kernel is XLA:CPU code inlined into its caller: keep its rounding its own
+        logits_N16 = lax.optimization_barrier(logits_N16)
+    else:
+        from jax.experimental.pallas import triton as plgpu
+
+        params = plgpu.CompilerParams(num_warps=1, num_stages=1)
+    out = pl.pallas_call(
+        functools.partial(_kernel, eps=float(eps), iters=int(iters)),
+        out_shape=jax.ShapeDtypeStruct((n, H * H), jnp.float32), grid=(n,), compiler_params=params,
+        interpret=interpret, name="mhc_sinkhorn",
+    )(logits_N16.astype(jnp.float32))
+    return lax.optimization_barrier(out) if interpret else out
+
+
+def applies(h: int) -> bool:
+    """Whether `sinkhorn` can run the kernel (Pallas' Triton backend, or the interpreter, and H = 4)."""
+    return h == H and triton_matvec.ENABLED and (triton_matvec.has_triton_backend() or triton_matvec.INTERPRET)
+
+
+def sinkhorn(logits_SD: jax.Array, hc_eps: float, iters: int, default):
+    """Comb [..., H, H] of logits [..., H, H]: the kernel on CUDA (or interpreted), `default(logits)` elsewhere."""
+    lead = logits_SD.shape[:-2]
+    flat = logits_SD.reshape(-1, H * H)
+
+    def kernel(x, interpret=False):
+        return sinkhorn_rows(x, hc_eps, iters, interpret=interpret)
+
+    def xla(x):
+        return default(x.reshape(-1, H, H)).reshape(-1, H * H)
+
+    if triton_matvec.INTERPRET:
+        out = kernel(flat, interpret=True)
+    else:
+        out = lax.platform_dependent(flat, cuda=kernel, default=xla)
+    return out.reshape(*lead, H, H)

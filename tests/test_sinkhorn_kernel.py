@@ -1,0 +1,74 @@
+"""mHC's Sinkhorn as one Triton kernel (jds41/layers/sinkhorn_kernel.py), the comb's fast path on CUDA.
+
+On every machine: the kernel in Pallas' interpreter against mhc's XLA spelling (the reference) and a float64 numpy
+re-derivation; each row's comb does not depend on the rows around it (one row alone, in a block, permuted, under
+vmap); lowered for CUDA, `hc_split` is the Triton custom call, lowered for the CPU it is not. On a GPU (marker
+`gpu`): the compiled kernel against the XLA spelling, and a row alone against the same row in a block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jds41.layers.mhc import _sinkhorn, hc_split
+from jds41.layers.sinkhorn_kernel import sinkhorn_rows
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+EPS, ITERS = 1e-6, 20
+
+
+def _numpy_sinkhorn(logits: np.ndarray) -> np.ndarray:
+    """MODEL.md §2.1 in float64: softmax over dst + eps, normalise columns, then (iters - 1) x (rows, columns)."""
+    x = logits.astype(np.float64)
+    e = np.exp(x - x.max(-1, keepdims=True))
+    c = e / e.sum(-1, keepdims=True) + EPS
+    c = c / (c.sum(-2, keepdims=True) + EPS)
+    for _ in range(ITERS - 1):
+        c = c / (c.sum(-1, keepdims=True) + EPS)
+        c = c / (c.sum(-2, keepdims=True) + EPS)
+    return c
+
+
+def _logits(n: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal((n, 4, 4)) * 4).astype(np.float32)
+
+
+def test_the_interpreted_kernel_equals_the_reference():
+    lg = _logits(9)
+    got = np.asarray(sinkhorn_rows(jnp.asarray(lg.reshape(9, 16)), EPS, ITERS, interpret=True)).reshape(9, 4, 4)
+    want = np.asarray(jax.jit(lambda x: _sinkhorn(x, EPS, ITERS))(lg))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got, _numpy_sinkhorn(lg), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got.sum(-2), 1, atol=1e-4)  # columns normalised last: doubly stochastic to eps
+
+
+def test_a_rows_comb_does_not_depend_on_the_rows_around_it():
+    lg = jnp.asarray(_logits(6, seed=1).reshape(6, 16))
+    block = np.asarray(sinkhorn_rows(lg, EPS, ITERS, interpret=True))
+    perm = np.array([3, 0, 5, 1, 4, 2])
+    np.testing.assert_array_equal(np.asarray(sinkhorn_rows(lg[perm], EPS, ITERS, interpret=True)), block[perm])
+    for r in (0, 4):
+        np.testing.assert_array_equal(np.asarray(sinkhorn_rows(lg[r:r + 1], EPS, ITERS, interpret=True))[0], block[r])
+    vm = jax.vmap(lambda x: sinkhorn_rows(x[None], EPS, ITERS, interpret=True)[0])(lg)
+    np.testing.assert_array_equal(np.asarray(vm), block)
+
+
+def test_hc_split_lowers_to_the_kernel_on_cuda_only():
+    mix = jax.ShapeDtypeStruct((3, 24), jnp.float32)
+    fn = lambda m: hc_split(m, jnp.ones(3), jnp.zeros(24), EPS, ITERS)
+    for platform, want in (("cuda", True), ("cpu", False)):
+        text = jax.jit(fn).trace(mix).lower(lowering_platforms=(platform,)).as_text()
+        assert (TRITON_CALL in text) is want, platform
+
+
+@pytest.mark.gpu
+def test_the_compiled_kernel_agrees_with_the_xla_spelling_on_the_gpu():
+    lg = jnp.asarray(_logits(64, seed=2))
+    got = np.asarray(sinkhorn_rows(lg.reshape(64, 16), EPS, ITERS)).reshape(64, 4, 4)
+    want = np.asarray(jax.jit(lambda x: _sinkhorn(x, EPS, ITERS))(lg))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    one = np.asarray(sinkhorn_rows(lg[5].reshape(1, 16), EPS, ITERS))[0]
+    np.testing.assert_array_equal(one, got[5].reshape(16))
