@@ -1,12 +1,13 @@
 """The Triton kernel of the one-token quantized products (jds41/quant/triton_matvec.py), the decode fast path on CUDA.
 
 On every machine: the kernel, run in Pallas' interpreter, against a float64 re-derivation from gguf-py's
-dequantizer (MXFP4; x shared by the K experts and one x per expert; clamped indices; a tile that is not the
-default; every nibble code, subnormal-free); and the wiring: lowered for CUDA, the MXFP4 products of
-`qmatvec_experts` and `qmatvec` are the Triton custom call, lowered for the CPU they are not, and other formats,
-stacks past 2^31 bytes and llama.cpp's activation rounding keep the XLA spelling everywhere.
-On a GPU (marker `gpu`): the compiled kernel at the V4-Flash shapes against the XLA spelling it replaces, and a
-vmapped kernel (row-batched decode) bit for bit against one call per row.
+dequantizer, for every format and row layout it takes (MXFP4 as in the file and planar, Q8_0 planar, IQ2_XXS and
+Q2_K as in the file; x shared by the K experts and one x per expert; clamped indices; a tile that is not the
+default; every MXFP4 nibble code, subnormal-free); and the wiring: lowered for CUDA, the products of
+`qmatvec_experts` and `qmatvec` are the Triton custom call, lowered for the CPU they are not, and Q8_0 rows in the
+file's layout, stacks past 2^31 bytes and llama.cpp's activation rounding keep the XLA spelling everywhere.
+On a GPU (marker `gpu`): the compiled kernel at the V4-Flash and V4.1 shapes against the XLA spelling it replaces,
+and a vmapped kernel (row-batched decode) bit for bit against one call per row.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from jds41.quant import QTensor, qmatvec, qmatvec_experts
 from jds41.quant.planar import to_planar
 from jds41.quant.qtensor import xla_rows_matvec
 from jds41.quant.random_blocks import random_quantized
-from jds41.quant.triton_matvec import _e2m1_doubled, rows_matvec
+from jds41.quant.triton_matvec import KINDS, _e2m1_doubled, rows_matvec
 
-KINDS = [(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar")]  # what the kernel takes
+KIND_LIST = sorted(KINDS, key=lambda k: (k[0].name, k[1]))
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -57,7 +58,7 @@ def _rows(raw, layout, qtype):
     return jnp.asarray(to_planar(raw, qtype) if layout == "planar" else raw)
 
 
-@pytest.mark.parametrize("qtype,layout", KINDS)
+@pytest.mark.parametrize("qtype,layout", KIND_LIST)
 @pytest.mark.parametrize("x_rows", ["shared", "per-expert"])
 def test_the_interpreted_kernel_equals_a_float64_reference(x_rows, qtype, layout):
     rng, raw = _case(qtype)
@@ -70,7 +71,7 @@ def test_the_interpreted_kernel_equals_a_float64_reference(x_rows, qtype, layout
     assert _rel(got, want) < 1e-6
     # another tile sums the blocks in other groups: the same values to f32 rounding
     other = rows_matvec(jnp.asarray(x), rows, jnp.asarray(idx), qtype, layout=layout, interpret=True,
-                        tile=(8, 4, 4))
+                        tile=(8, 2, 4))
     assert _rel(other, want) < 1e-6
 
 
@@ -110,9 +111,11 @@ def test_decode_products_lower_to_the_kernel_on_cuda_only():
         assert TRITON_CALL not in _lowered(lambda w, x, i: qmatvec_experts(x, w, i), other, x_in, idx, platform="cuda")
 
 
-# V4-Flash's decode shapes: routed gate/up, routed down (one x per expert), a dense MXFP4 matrix, the Q8_0 head.
+# V4-Flash's decode shapes: routed gate/up, routed down (one x per expert), a dense MXFP4 matrix, the Q8_0 head;
+# V4.1's routed gate/up (IQ2_XXS, 20 blocks a row) and down (Q2_K, 9 blocks a row).
 GPU_SHAPES = [(T.MXFP4, 256, 2048, 4096, 1), (T.MXFP4, 256, 4096, 2048, 6), (T.MXFP4, 1, 4096, 4096, 1),
-              (T.Q8_0, 1, 129280, 4096, 1), (T.Q8_0, 8, 32768, 1024, 1)]
+              (T.Q8_0, 1, 129280, 4096, 1), (T.Q8_0, 8, 32768, 1024, 1), (T.IQ2_XXS, 384, 2304, 5120, 1),
+              (T.Q2_K, 384, 5120, 2304, 6)]
 
 
 @pytest.mark.gpu

@@ -200,7 +200,7 @@ def _iq2xxs_packed_grid() -> np.ndarray:
     return (codes.astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1).astype(np.uint16)
 
 
-_IQ2XXS_PACKED = _iq2xxs_packed_grid()
+IQ2XXS_PACKED_GRID = _iq2xxs_packed_grid()  # also the Triton kernel's lookup table
 _SIGN_SHIFT = np.array([0, 7, 14, 21], np.uint32)
 _BIT_SHIFT = np.arange(8, dtype=np.uint32)
 _CODE_SHIFT = 2 * np.arange(8, dtype=np.uint16)
@@ -211,7 +211,7 @@ def _dec_iq2_xxs(b):
     groups = _lead(qs, 8, 2, 4)  # [..., 8, 2, 4]: group, word, byte
     aux1 = lax.bitcast_convert_type(groups[..., 1, :], jnp.uint32)  # [..., 8]
     db = _f16(d)[..., None] * (np.float32(0.5) + (aux1 >> np.uint32(28)).astype(jnp.float32)) * np.float32(0.25)
-    packed = jnp.take(jnp.asarray(_IQ2XXS_PACKED), groups[..., 0, :].astype(jnp.int32))  # [..., 8, 4]
+    packed = jnp.take(jnp.asarray(IQ2XXS_PACKED_GRID), groups[..., 0, :].astype(jnp.int32))  # [..., 8, 4]
     code = ((packed[..., None] >> _CODE_SHIFT) & 3).astype(jnp.int32)  # [..., 8, 4, 8]
     grid = (8 + 17 * code + (code >> 1)).astype(jnp.float32)  # 0, 1, 2 -> 8, 25, 43
     s7 = (aux1[..., None] >> _SIGN_SHIFT) & np.uint32(0x7F)  # [..., 8, 4]

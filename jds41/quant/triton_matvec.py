@@ -1,34 +1,36 @@
-"""The one-token MXFP4 and Q8_0 products over raw rows as a Pallas (Triton) kernel for the GPU: decode's fast path.
+"""Decode's one-token quantized products over raw rows as a Pallas (Triton) kernel for the GPU: its fast path there.
 
-Why (experiments/README.md, "Where the step's time goes" and "The Triton kernel"): XLA:GPU fuses the block decode
-of `blocks._dec_mxfp4` into the multiply-and-sum of `qtensor._row_dot`, but read MXFP4 experts at 4-7% of HBM
-bandwidth on the H200: that decode assembles each value from bit fields with selects (exact on every backend, with
-subnormal scales), and its integer work, not the bytes, bounds the product. Q8_0 rows in the GGML layout XLA read
-at ~900 GB/s (20% of HBM), and a kernel over them must load byte by byte (a first, strided-load design ran 4x
-slower than XLA and was dropped); in the planar layout (quant/planar.py) every load is contiguous and aligned.
+Why (experiments/README.md, "Where the step's time goes", "The Triton kernel", "Where a decode token's time goes"):
+XLA:GPU fuses each format's block decode (blocks.py) into the multiply-and-sum of `qtensor._row_dot`, but read MXFP4
+experts at 4-7% of HBM bandwidth on the H200 (its decode assembles each value from bit fields with selects, exact on
+every backend, and that integer work, not the bytes, bounded it), V4.1's IQ2_XXS / Q2_K experts at ~350-400 GB/s,
+and Q8_0 rows at ~900 GB/s. A kernel over Q8_0 rows in the GGML layout has to load byte by byte (a first design ran
+4x slower than XLA and was dropped); in the planar layout (quant/planar.py) every load is contiguous and aligned.
 
 Owns `rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout) -> f32 [K, O]`: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i]
-over raw rows `raw[E, O, row_bytes]` (a whole stack, or the K rows a tier gathered): MXFP4 in the GGML layout (as
-in the file: the tiers' rows) or the planar one (resident weights), Q8_0 in the planar one; `supported(...)`, which
-says when it applies; and `planar_weights()`, whether an engine regroups its resident weights for it.
-`qtensor.qmatvec_experts` and `qtensor.qmatvec` call it on CUDA only (`lax.platform_dependent`); every other
-platform and format, and the `rows_as_dots` / `act_round` products, keep the XLA spelling, which stays the
-reference (tests/test_triton_matvec.py: the kernel in Pallas' interpreter on the CPU against a float64
-re-derivation from gguf-py's dequantizer; on the GPU against XLA).
+over raw rows `raw[E, O, row_bytes]` (a whole stack, or the K rows a tier gathered) of one of KINDS: MXFP4 in the
+GGML layout (as in the file: the tiers' rows) or the planar one (resident dense weights), Q8_0 planar, IQ2_XXS and
+Q2_K as in the file; `supported(...)`, which says when it applies; `default_tile`, the tile rule; and
+`planar_weights()`, whether an engine regroups its resident weights for it. `qtensor.qmatvec_experts` and
+`qtensor.qmatvec` call it on CUDA only (`lax.platform_dependent`); every other platform and format, and the
+`rows_as_dots` / `act_round` products, keep the XLA spelling, which stays the reference (tests/test_triton_matvec.py:
+the kernel in Pallas' interpreter on the CPU against a float64 re-derivation from gguf-py's dequantizer; on the GPU
+against XLA).
 
-Loads: a program's step gathers [BO rows, NB blocks, P] quant bytes with explicit offsets (row * row_bytes + the
-block's quant offset + p): in the GGML layout an MXFP4 block's 16 bytes start at block * 17 + 1 (contiguous, so a
-warp's loads coalesce, but unaligned); in the planar layout at block * P from the row's start (P = 16 for MXFP4,
-32 for Q8_0; aligned, so Triton can load 16 bytes at once). Then the [BO, NB] scale bytes and the x values.
-MXFP4 decode: `_e2m1_doubled`, integer and float ops per value, no conversion or select.
+Loads: a program's step gathers its [BO rows, NB blocks, ...] bytes with explicit offsets (row * row_bytes + the
+field's offset in the block), so any block size works and a warp's loads of a block's contiguous bytes coalesce;
+in the planar layout the quants start at block * P from the row's start (P = 16 for MXFP4, 32 for Q8_0), aligned,
+so Triton can load 16 bytes at once. MXFP4 decode: `_e2m1_doubled`, integer and float ops per value, no conversion
+or select. IQ2_XXS: one lookup per 8 values in the packed grid table blocks.py builds from gguf-py's grid.
 
-Arithmetic (the same for every program, whatever E, K, the row's tier, the layout or the grid): within a block the
-quant * x terms are summed (MXFP4: 16 low * x + high * x terms), times the block's scale; the NB blocks of a step
-are summed and added to one f32 accumulator per row, step after step. That is not XLA's order, so the kernel
-agrees with the XLA path to f32 rounding, not bitwise; decode stays exact against itself because every such
-one-token product on CUDA is this kernel with a tile set by the shape alone (placements, layouts, drafting, prompt
-pieces and row-batched decode alike). `JDS41_TRITON=0` in the environment turns the kernel off (read once, at
-import: for A/B benchmarks); without Pallas' Triton backend (deprecated in jax 0.11) the XLA path runs.
+Arithmetic (the same for every program, whatever E, K, the row's tier or the grid, for one tile): each step function
+says its in-block order; the NB blocks of a step are summed and added to one f32 accumulator per row, step after
+step. That is not XLA's order, so the kernel agrees with the XLA path to f32 rounding, not bitwise; decode stays
+exact against itself because every such one-token product on CUDA is this kernel with a tile set by the shape alone
+(placements, drafting, prompt pieces and row-batched decode alike). The two MXFP4 layouts are not interchangeable
+there: Triton gave their loads different register layouts and so different summation orders on the H200, so a
+tensor keeps one layout wherever it is read (planar.planar_params). `JDS41_TRITON=0` turns the kernel off (read
+once, at import: for A/B benchmarks); without Pallas' Triton backend (deprecated in jax 0.11) the XLA path runs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from gguf import GGMLQuantizationType as T
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jds41.quant.blocks import IQ2XXS_PACKED_GRID
+
 # JDS41_TRITON: "1" (default) the kernel on CUDA, "0" off (XLA everywhere), "interpret" the kernel on every
 # platform through Pallas' interpreter: the engine's tests then run the kernel's arithmetic on the CPU
 # (tests/test_triton_engine.py).
@@ -52,15 +56,19 @@ ENABLED, INTERPRET = _MODE != "0", _MODE == "interpret"
 # JDS41_PLANAR=0 keeps resident weights in the GGML layout (for A/B benchmarks of the planar kernels).
 PLANAR = os.environ.get("JDS41_PLANAR", "1") != "0"
 _BACKEND = importlib.util.find_spec("jax.experimental.pallas.triton") is not None  # deprecated upstream (jax 0.11)
-VALUES, BLOCK_BYTES = 32, 17  # an MXFP4 block: one e8m0 scale byte, then 16 bytes of e2m1 nibbles
-Q8_0_BLOCK_BYTES = 34  # a Q8_0 block: an f16 scale, then 32 int8 values
-# The tile (rows per program BO, blocks per step NB, warps): BO and NB are the largest powers of two up to these
-# that divide the shape (Triton's tiles are powers of two), so any whole-block row length runs.
+# qtype -> (values per block, bytes per block, bytes a step loads per block for the tile rule: the quants alone for
+# the 32-value formats, whose tiles were measured so on the H200) of the formats the kernel decodes
+BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66), T.Q2_K: (256, 84, 84)}
+# (qtype, layout) pairs the kernel reads: Q8_0 only planar (its GGML rows, loaded byte by byte, ran at a quarter of
+# XLA's speed), the two-bit formats only as in the file (tiers gather them so)
+KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
+                   (T.Q2_K, "ggml")})
 # The tile, set by the product's shape alone (so every path that computes a product of that shape, whatever the
 # tier, layout or batching, sums in the same order): BO rows per program, NB blocks per step, NUM_WARPS warps.
 # BO is made small enough that the grid has about PROGRAMS programs (a [2048, 4096] shared-expert matrix at BO = 16
 # was 128 programs for 132 SMs: latency-bound), NB large enough that a program's step loads about STEP_BYTES.
-BO_MAX, PROGRAMS, STEP_BYTES, NB_MIN, NUM_WARPS = 16, 1024, 8192, 16, 4
+# Both are powers of two (Triton's tiles are) that divide the shape, so any whole-block row length runs.
+BO_MAX, PROGRAMS, STEP_BYTES, STEP_VALUES_MIN, NUM_WARPS = 16, 1024, 8192, 512, 4
 # Offsets into the stack are 32-bit in Triton's lowering below 2^32 bytes, and signed products overflowed past
 # 2^31 on the H200 (an illegal address with a 2.3 GB Q8_0 stack): larger stacks keep the XLA path.
 MAX_STACK_BYTES = (1 << 31) - 1
@@ -72,10 +80,9 @@ def has_triton_backend() -> bool:
 
 
 def supported(qtype, stack_bytes: int, layout: str = "ggml") -> bool:
-    """Whether `rows_matvec` takes this stack (else the XLA path computes the product): MXFP4 rows in either layout,
-    Q8_0 rows in the planar one (jds41/quant/planar.py), stacks under 2^31 bytes."""
-    kinds = {(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar")}
-    return ENABLED and (_BACKEND or INTERPRET) and (qtype, layout) in kinds and stack_bytes <= MAX_STACK_BYTES
+    """Whether `rows_matvec` takes this stack (else the XLA path computes the product): one of KINDS, under 2^31
+    bytes."""
+    return ENABLED and (_BACKEND or INTERPRET) and (qtype, layout) in KINDS and stack_bytes <= MAX_STACK_BYTES
 
 
 def planar_weights(act_round: str | None = None) -> bool:
@@ -96,10 +103,10 @@ def _largest_power_of_two_dividing(n: int, most: int) -> int:
 
 def default_tile(qtype, K: int, n_out: int, n_in: int) -> tuple[int, int, int]:
     """(BO, NB, warps) for K products of [n_out, n_in] rows (the module's tile rule; a function of the shape only)."""
+    values, _, loaded = BLOCKS[qtype]
     bo = _largest_power_of_two_dividing(n_out, min(BO_MAX, max(1, K * n_out // PROGRAMS)))
-    quant = VALUES if qtype == T.Q8_0 else VALUES // 2  # quant bytes per block
-    nb = _largest_power_of_two_dividing(n_in // VALUES, max(NB_MIN, STEP_BYTES // (bo * quant)))
-    return bo, nb, NUM_WARPS
+    most = max(STEP_VALUES_MIN // values, STEP_BYTES // (bo * loaded), 1)
+    return bo, _largest_power_of_two_dividing(n_in // values, most), NUM_WARPS
 
 
 def _mxfp4_scale(e):
@@ -126,39 +133,105 @@ def _e2m1_doubled(q, shift: int):
     return lax.bitcast_convert_type(lax.bitcast_convert_type(kv, jnp.uint32) ^ sign, jnp.float32)
 
 
-def _mxfp4_block_sums(q, x_lo, x_hi):
-    """[BO, NB, 16] nibble bytes (uint32) times the block's [1, NB, 16] low / high x values -> [BO, NB] sums."""
-    return jnp.sum(_e2m1_doubled(q, 0) * x_lo + _e2m1_doubled(q, 4) * x_hi, axis=2)
+def _f16_at(w_ref, r, at):
+    """The little-endian f16 at byte offsets `at` of rows `r` (broadcast together), as f32."""
+    lo = w_ref[r, at].astype(jnp.uint16)
+    hi = w_ref[r, at + 1].astype(jnp.uint16)
+    return lax.bitcast_convert_type(lo | (hi << 8), jnp.float16).astype(jnp.float32)
 
 
-def _kernel(idx_ref, x_ref, w_ref, o_ref, *, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
+def _ar(n: int, axis: int, rank: int):
+    """arange(n) as int32 laid along `axis` of a rank-`rank` shape of ones."""
+    shape = [1] * rank
+    shape[axis] = n
+    return jnp.arange(n, dtype=jnp.int32).reshape(shape)
+
+
+# Each step function returns the [BO] partial sums of one step: rows `rows` [BO], blocks b [NB] of the step, x row
+# kx. Inside a block the order is fixed by the format (below); blocks are summed, then added to the accumulator.
+
+
+def _step_mxfp4(w_ref, x_ref, rows, kx, b, *, planar: bool, n_in: int):
+    """16 nibble bytes per block (value j low, value j + 16 high), an e8m0 scale: sum(lo*x + hi*x) * scale."""
+    r3, b3 = rows[:, None, None], b[None, :, None]
+    pos = _ar(16, 2, 3)
+    q_at, e_at = (b3 * 16, n_in // 2 + b3) if planar else (b3 * 17 + 1, b3 * 17)
+    q = w_ref[r3, q_at + pos].astype(jnp.uint32)  # [BO, NB, 16]
+    scale = jnp.squeeze(_mxfp4_scale(w_ref[r3, e_at]), 2)  # [BO, NB]
+    x_lo = x_ref[kx, b3 * 32 + pos]  # [1, NB, 16]: values 0-15 of each block (low nibbles)
+    x_hi = x_ref[kx, b3 * 32 + 16 + pos]  # values 16-31 (high nibbles)
+    sums = jnp.sum(_e2m1_doubled(q, 0) * x_lo + _e2m1_doubled(q, 4) * x_hi, axis=2)
+    return jnp.sum(sums * scale, axis=1)
+
+
+def _step_q8_0(w_ref, x_ref, rows, kx, b, *, planar: bool, n_in: int):
+    """Planar rows: 32 int8 per block from the row's start, f16 scales after them: sum(q*x) * d."""
+    r3, b3 = rows[:, None, None], b[None, :, None]
+    pos = _ar(32, 2, 3)
+    q = lax.bitcast_convert_type(w_ref[r3, b3 * 32 + pos], jnp.int8).astype(jnp.float32)  # [BO, NB, 32]
+    scale = jnp.squeeze(_f16_at(w_ref, r3, n_in + 2 * b3), 2)  # [BO, NB]
+    sums = jnp.sum(q * x_ref[kx, b3 * 32 + pos], axis=2)
+    return jnp.sum(sums * scale, axis=1)
+
+
+def _parity(v):
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    return (v ^ (v >> 1)) & 1
+
+
+def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref):
+    """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
+    4-bit scale s). Octet o (group o // 4, slot o % 4) holds 8 values: magnitudes from the packed grid entry of its
+    index byte, signs from its sign index (with ggml's even-parity bit 7). Sum per octet of mag * sign * x, times
+    d * (0.5 + s) / 4, then over octets and blocks."""
+    r4, b4 = rows[:, None, None, None], b[None, :, None, None]
+    o, k = _ar(32, 2, 4), _ar(8, 3, 4)  # [1, 1, 32, 1] octets, [1, 1, 1, 8] values in an octet
+    group = b4 * 66 + 2 + (o >> 2) * 8
+    idx = w_ref[r4, group + (o & 3)].astype(jnp.int32)  # [BO, NB, 32, 1]
+    aux = w_ref[r4, group + 4].astype(jnp.uint32)
+    for byte in range(1, 4):
+        aux = aux | (w_ref[r4, group + 4 + byte].astype(jnp.uint32) << (8 * byte))
+    code = (tbl_ref[idx].astype(jnp.int32) >> (2 * k)) & 3  # [BO, NB, 32, 8]: 0, 1, 2 for 8, 25, 43
+    mag = (8 + 17 * code + (code >> 1)).astype(jnp.float32)
+    s7 = (aux >> (7 * (o & 3)).astype(jnp.uint32)) & 0x7F
+    neg = (((s7 | (_parity(s7) << 7)) >> k.astype(jnp.uint32)) & 1).astype(jnp.float32)
+    x = x_ref[kx, b4 * 256 + o * 8 + k]  # [1, NB, 32, 8]
+    sums = jnp.sum(mag * (1 - 2 * neg) * x, axis=3)  # [BO, NB, 32]
+    d = jnp.squeeze(_f16_at(w_ref, r4, b4 * 66), 3)  # [BO, NB, 1]
+    scale = d * (jnp.squeeze(aux >> 28, 3).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)
+    return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
+
+
+def _step_q2_k(w_ref, x_ref, rows, kx, b):
+    """A 256-value block: 16 bytes of (4-bit scale | 4-bit min), 64 bytes of 2-bit quants, f16 d, f16 dmin. Value
+    16 s + j of sub-block s sits in byte 32 (s // 8) + 16 (s % 2) + j at bit 2 ((s % 8) // 2). Per sub-block
+    d * sc * sum(q * x) - dmin * mn * sum(x), summed over sub-blocks and blocks."""
+    r4, b4 = rows[:, None, None, None], b[None, :, None, None]
+    s, j = _ar(16, 2, 4), _ar(16, 3, 4)  # [1, 1, 16, 1] sub-blocks, [1, 1, 1, 16] values in one
+    byte = w_ref[r4, b4 * 84 + 16 + (s >> 3) * 32 + (s & 1) * 16 + j].astype(jnp.int32)  # [BO, NB, 16, 16]
+    q = ((byte >> (2 * ((s & 7) >> 1))) & 3).astype(jnp.float32)
+    x = x_ref[kx, b4 * 256 + s * 16 + j]  # [1, NB, 16, 16]
+    qx, xs = jnp.sum(q * x, axis=3), jnp.sum(x, axis=3)  # [BO, NB, 16], [1, NB, 16]
+    sc = jnp.squeeze(w_ref[r4, b4 * 84 + s].astype(jnp.int32), 3)  # [BO, NB, 16]
+    d = jnp.squeeze(_f16_at(w_ref, r4, b4 * 84 + 80), 3)  # [BO, NB, 1]
+    dmin = jnp.squeeze(_f16_at(w_ref, r4, b4 * 84 + 82), 3)
+    part = (d * (sc & 15).astype(jnp.float32)) * qx - (dmin * (sc >> 4).astype(jnp.float32)) * xs
+    return jnp.sum(jnp.sum(part, axis=2), axis=1)
+
+
+def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
             steps: int, x_per_row: bool):
+    tbl_ref, o_ref = rest if qtype == T.IQ2_XXS else (None, rest[0])
     k, j = pl.program_id(0), pl.program_id(1)
-    e = idx_ref[k]
     kx = k if x_per_row else jnp.int32(0)
-    rows = e * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, row_bytes] stack
-    r3, r2 = rows[:, None, None], rows[:, None]
-    blk = jnp.arange(nb, dtype=jnp.int32)[:, None]
+    rows = idx_ref[k] * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, R] stack
+    step_of = {T.MXFP4: functools.partial(_step_mxfp4, planar=planar, n_in=n_in),
+               T.Q8_0: functools.partial(_step_q8_0, planar=planar, n_in=n_in),
+               T.IQ2_XXS: functools.partial(_step_iq2_xxs, tbl_ref=tbl_ref), T.Q2_K: _step_q2_k}[qtype]
 
     def step(t, acc_O):
-        b = t * nb + blk  # [NB, 1]: this step's blocks
-        if qtype == T.Q8_0:  # planar only: 32 quant bytes per block from the row's start, f16 scales after them
-            pos = jnp.arange(VALUES, dtype=jnp.int32)[None, :]
-            q = lax.bitcast_convert_type(w_ref[r3, (b * VALUES + pos)[None]], jnp.int8).astype(jnp.float32)
-            x = x_ref[kx, b * VALUES + pos][None]  # [1, NB, 32]
-            lo = w_ref[r2, (n_in + 2 * b[:, 0])[None, :]].astype(jnp.uint16)  # [BO, NB]: the f16 scale's bytes
-            hi = w_ref[r2, (n_in + 2 * b[:, 0] + 1)[None, :]].astype(jnp.uint16)
-            scale = lax.bitcast_convert_type(lo | (hi << 8), jnp.float16).astype(jnp.float32)
-            sums = jnp.sum(q * x, axis=2)
-        else:  # MXFP4: 16 nibble bytes per block; planar rows hold them from the row's start, scale bytes after
-            pos = jnp.arange(16, dtype=jnp.int32)[None, :]
-            q_at, e_at = (b * 16, n_in // 2 + b[:, 0]) if planar else (b * BLOCK_BYTES + 1, b[:, 0] * BLOCK_BYTES)
-            q = w_ref[r3, (q_at + pos)[None]].astype(jnp.uint32)  # [BO, NB, 16]
-            scale = _mxfp4_scale(w_ref[r2, e_at[None, :]])  # [BO, NB]
-            x_lo = x_ref[kx, b * VALUES + pos][None]  # [1, NB, 16]: values 0-15 of each block (low nibbles)
-            x_hi = x_ref[kx, b * VALUES + 16 + pos][None]  # values 16-31 (high nibbles)
-            sums = _mxfp4_block_sums(q, x_lo, x_hi)
-        return acc_O + jnp.sum(sums * scale, axis=1)
+        return acc_O + step_of(w_ref, x_ref, rows, kx, t * nb + jnp.arange(nb, dtype=jnp.int32))
 
     o_ref[0, :] = lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32))
 
@@ -173,18 +246,18 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
     row's blocks)."""
     E, n_out, R = raw_EOR.shape
     K, X, n_in = idx_K.shape[0], x_XI.shape[0], x_XI.shape[1]
-    if (qtype, layout) not in {(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar")}:
+    if (qtype, layout) not in KINDS:
         raise ValueError(f"rows_matvec does not take {qtype.name} rows in the {layout} layout")
-    block_bytes = BLOCK_BYTES if qtype == T.MXFP4 else Q8_0_BLOCK_BYTES
-    if n_in % VALUES or R != n_in // VALUES * block_bytes or X not in (1, K):
+    values, block, _ = BLOCKS[qtype]
+    if n_in % values or R != n_in // values * block or X not in (1, K):
         raise ValueError(f"rows_matvec: rows of {R} bytes for {n_in} inputs, x with {X} rows for {K} indices")
     if E * n_out * R > MAX_STACK_BYTES:
         raise ValueError(f"rows_matvec: a stack of {E * n_out * R} bytes needs 64-bit offsets")
     bo, nb, warps = tile or default_tile(qtype, K, n_out, n_in)
-    if n_out % bo or (n_in // VALUES) % nb:
-        raise ValueError(f"tile ({bo}, {nb}) does not divide {n_out} rows of {n_in // VALUES} blocks")
+    if n_out % bo or (n_in // values) % nb:
+        raise ValueError(f"tile ({bo}, {nb}) does not divide {n_out} rows of {n_in // values} blocks")
     kernel = functools.partial(_kernel, qtype=qtype, planar=layout == "planar", n_in=n_in, n_out=n_out, bo=bo, nb=nb,
-                               steps=n_in // (nb * VALUES), x_per_row=X > 1)
+                               steps=n_in // (nb * values), x_per_row=X > 1)
     params = None
     if interpret:  # Interpreted, the kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two
         # calls on one weight could then share its decoded loads (CSE) and fuse, and so round, by their surroundings.
@@ -194,8 +267,9 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=warps, num_stages=2)
+    tables = (jnp.asarray(IQ2XXS_PACKED_GRID),) if qtype == T.IQ2_XXS else ()
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((K, n_out), jnp.float32), grid=(K, n_out // bo),
         out_specs=pl.BlockSpec((1, bo), lambda k, j: (k, j)), compiler_params=params, interpret=interpret,
         name=f"rows_matvec_{qtype.name.lower()}_{layout}",
-    )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI.astype(jnp.float32), raw_EOR.reshape(E * n_out, R))
+    )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI.astype(jnp.float32), raw_EOR.reshape(E * n_out, R), *tables)
