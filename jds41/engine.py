@@ -98,13 +98,14 @@ class Engine:
         loaded = load_tensors(gguf, matrix_names(cfg, with_routed_experts=profile is None), progress=progress)
         params = load_params(cfg, gguf, act_round=NUMERICS[numerics], raw=loaded.arrays,
                              with_routed_experts=profile is None)
-        if planar_weights(NUMERICS[numerics]):  # Q8_0 / MXFP4 rows regrouped for the GPU kernels, same values
+        planar = planar_weights(NUMERICS[numerics])  # Q8_0 / MXFP4 rows regrouped for the GPU kernels, same values
+        if planar:
             params = planar_params(params)
         tiers = None
         if profile is not None:
             from jds41.tiers.runtime import open_tiers  # the tier machinery loads only when a profile asks for it
 
-            params, tiers = open_tiers(gguf, params, profile, usage)
+            params, tiers = open_tiers(gguf, params, profile, usage, planar=planar)
             if engram is not None:  # the profile also says where the Engram tables are read from
                 from jds41.tiers.engram_store import row_source_for
 

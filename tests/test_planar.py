@@ -2,9 +2,9 @@
 
 Checks: the regrouping is a permutation of each row's bytes with the documented order (and its inverse); planar rows
 decode to gguf-py's values bit for bit (MXFP4 with subnormal scales included); every XLA product over planar rows
-equals the same product over GGML rows bit for bit; `planar_params` regroups dense Q8_0 / MXFP4 matrices and
-leaves routed expert stacks (which tiers gather in the GGML layout) and other leaves alone; an engine with planar
-weights gives the logits of the GGML engine bit for bit on the CPU (XLA reads both layouts).
+equals the same product over GGML rows bit for bit; `planar_params` regroups every Q8_0 / MXFP4 matrix and expert
+stack and leaves other leaves alone; an engine with planar weights gives the logits of the GGML engine bit for bit on
+the CPU (XLA reads both layouts), resident and with its experts over HBM, pinned host memory and the SSD.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def test_xla_products_over_planar_rows_equal_those_over_ggml_rows(qtype):
         np.testing.assert_array_equal(np.asarray(jax.jit(fn)(planar)), np.asarray(jax.jit(fn)(ggml)))
 
 
-def test_planar_params_regroup_dense_matrices_only():
+def test_planar_params_regroup_every_q8_0_and_mxfp4_matrix_and_stack():
     rng = np.random.default_rng(3)
 
     def q(qtype, shape):
@@ -73,15 +73,16 @@ def test_planar_params_regroup_dense_matrices_only():
 
     params = {"output": q(T.Q8_0, (64, 256)), "output_norm": jnp.ones(256),
               "blocks": [{"attn_q_a": q(T.MXFP4, (32, 256)), "ffn_gate_exps": q(T.MXFP4, (4, 32, 256)),
-                          "ffn_up_exps": q(T.Q8_0, (4, 32, 256)), "ffn_down_exps": q(T.F32, (4, 256, 32)),
+                          "ffn_up_exps": q(T.Q8_0, (4, 32, 256)), "ffn_down_exps": q(T.Q2_K, (4, 256, 256)),
                           "ffn_gate_inp": q(T.F32, (4, 256))}]}
     out = planar_params(params)
     layouts = {k: v.layout for k, v in out["blocks"][0].items()}
-    assert layouts == {"attn_q_a": "planar", "ffn_gate_exps": "ggml", "ffn_up_exps": "ggml",
-                       "ffn_down_exps": "ggml", "ffn_gate_inp": "ggml"}
+    assert layouts == {"attn_q_a": "planar", "ffn_gate_exps": "planar", "ffn_up_exps": "planar",
+                       "ffn_down_exps": "ggml", "ffn_gate_inp": "ggml"}  # Q2_K and F32 have no planar layout
     assert out["output"].layout == "planar" and out["output_norm"] is params["output_norm"]
-    before, after = params["blocks"][0]["attn_q_a"], out["blocks"][0]["attn_q_a"]
-    np.testing.assert_array_equal(np.asarray(after.data), to_planar(np.asarray(before.data), before.qtype))
+    for name in ("attn_q_a", "ffn_gate_exps", "ffn_up_exps"):
+        before, after = params["blocks"][0][name], out["blocks"][0][name]
+        np.testing.assert_array_equal(np.asarray(after.data), to_planar(np.asarray(before.data), before.qtype))
     with pytest.raises(ValueError, match="layout"):
         QTensor.from_raw(np.zeros((4, 4), np.float32), T.F32, (4, 4)).with_layout(None, "planar")
 
@@ -96,3 +97,31 @@ def test_an_engine_with_planar_weights_gives_the_ggml_logits(synthetic_model, qu
     planar = engine.with_params(planar_params(engine.params))
     assert planar.params["output"].layout == "planar"
     np.testing.assert_array_equal(planar.session().feed(toks, all_logits=True), want)
+
+
+@pytest.mark.slow
+def test_planar_tier_stores_keep_every_placement_on_the_resident_bits(synthetic_model, tmp_path, monkeypatch):
+    """With planar weights, HBM and host stacks are regrouped when placed and SSD answers in the graph: a split over
+    all three tiers still gives the resident logits bit for bit (XLA reads the rows here; on CUDA the kernel does,
+    tests/test_triton_engine.py and the GPU tests)."""
+    import json
+
+    import jds41.engine as engine_module
+    from jds41.engine import Engine
+
+    model = str(synthetic_model("deepseek41", "tiny", "mxfp4"))
+    profile = tmp_path / "split3.json"
+    profile.write_text(json.dumps({"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3,
+                                   "placement_source": "uniform", "slot_cache_slots": 2, "lookahead": 1,
+                                   "router_lean": {"enabled": False}}))
+    toks = [int(t) for t in np.random.default_rng(4).integers(8, 400, 24)]
+    want = Engine.open(model, max_ctx=64, prefill_chunk=8).session().feed(toks, all_logits=True)
+    monkeypatch.setattr(engine_module, "planar_weights", lambda *_: True)
+    resident = Engine.open(model, max_ctx=64, prefill_chunk=8)
+    tiered = Engine.open(model, max_ctx=64, prefill_chunk=8, profile=str(profile))
+    routed = tiered.params["blocks"][3]["routed"]
+    assert resident.params["blocks"][3]["ffn_gate_exps"].layout == "planar"
+    assert routed.hbm["gate"].layout == routed.host["gate"].layout == "planar" and routed.source is not None
+    np.testing.assert_array_equal(resident.session().feed(toks, all_logits=True), want)
+    np.testing.assert_array_equal(tiered.session().feed(toks, all_logits=True), want)
+    tiered.tiers.close()

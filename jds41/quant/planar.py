@@ -14,9 +14,10 @@ are), and the values are bit for bit those of the GGML row (`dequantize_planar` 
 the same functions as blocks.py). Within a block the quant bytes keep their GGML order (MXFP4: byte j holds value j
 in its low nibble and value j + 16 in its high one).
 
-Planar rows exist only in device memory: files, Orbax checkpoints and the tier stores keep GGML rows. The engine
-regroups resident weights once, on the device, after loading (`planar_params`); the one-token products then read
-them with the planar Triton kernel on CUDA (quant/triton_matvec.py), and every other path decodes them here.
+Planar rows exist only in memory: files and Orbax checkpoints keep GGML rows. An engine that runs the GPU kernels
+regroups its resident weights once, on the device, after loading (`planar_params`), its tier stores regroup the
+stacks they read, and the graph regroups the rows the SSD tier answers with; the one-token products then read them
+with the planar Triton kernel on CUDA (quant/triton_matvec.py), and every other path decodes them here.
 """
 
 from __future__ import annotations
@@ -81,30 +82,28 @@ def dequantize_planar(data: jax.Array, qtype) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=1, donate_argnums=0)
-def _to_planar_on_device(raw, qtype):
+def to_planar_on_device(raw, qtype):
+    """`to_planar` of a device array, jitted, its GGML rows donated."""
     return to_planar(raw, qtype)
 
 
-ROUTED_STACKS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-
-
 def planar_params(params: dict) -> dict:
-    """The parameter pytree with its dense Q8_0 / MXFP4 `QTensor` leaves regrouped into planar rows on the device
-    (GGML rows go in, donated, one tensor at a time); values unchanged, other leaves pass through.
+    """The parameter pytree with its Q8_0 / MXFP4 `QTensor` leaves regrouped into planar rows on the device (GGML
+    rows go in, donated, one tensor at a time); values unchanged, other leaves pass through.
 
-    Routed expert stacks keep GGML rows: a tiered layer gathers its rows from HBM, host memory and the SSD in the
-    file's layout, and placements must give the resident bits, which needs one kernel arithmetic for both. Triton
-    compiled the two layouts' MXFP4 loads into different register layouts and so different in-block summation
-    orders on the H200 (tests/test_triton_matvec.py), so a stack's layout must not depend on its placement."""
+    A routed expert stack must have one layout wherever its rows are read: Triton compiled the two layouts' MXFP4
+    loads into different register layouts and so different in-block summation orders on the H200, and placements
+    must give the resident bits. So an engine that regroups its resident stacks here has its tier stores hold
+    planar rows too (tiers/stores.build_stores(planar=True)), and the rows the SSD tier answers with are regrouped
+    in the graph (tiers/experts.py)."""
     from jds41.quant.qtensor import QTensor
 
-    def one(name: str, leaf):
-        if (not isinstance(leaf, QTensor) or leaf.qtype not in PLANAR_TYPES or leaf.layout != "ggml"
-                or name in ROUTED_STACKS):
+    def one(leaf):
+        if not isinstance(leaf, QTensor) or leaf.qtype not in PLANAR_TYPES or leaf.layout != "ggml":
             return leaf
         data = leaf.data if isinstance(leaf.data, jax.Array) else jax.device_put(leaf.data)
-        return leaf.with_layout(_to_planar_on_device(data, leaf.qtype), "planar")
+        return leaf.with_layout(to_planar_on_device(data, leaf.qtype), "planar")
 
-    out = {k: one(k, v) for k, v in params.items() if k != "blocks"}
-    out["blocks"] = [{k: one(k, v) for k, v in block.items()} for block in params["blocks"]]
+    out = {k: one(v) for k, v in params.items() if k != "blocks"}
+    out["blocks"] = [{k: one(v) for k, v in block.items()} for block in params["blocks"]]
     return out

@@ -6,9 +6,10 @@ graph through one host call per layer, made only when a selected expert is on th
 the quantized rows of exactly the selected experts (DESIGN.md §4: a host call costs 0.2-0.4 ms on the GPU, so it
 must not run on every layer of every step).
 
-Invariance by construction: every tier holds the very bytes of the GGUF stack, the graph picks, per selected
-expert, the raw rows from the tier that owns it, and the expert math then runs once on those rows. So any
-placement gives bit-identical results to the all-resident model (tests/test_tiers_invariance.py).
+Invariance by construction: every tier holds the very bytes of the GGUF stack (regrouped alike in every tier where
+the engine uses planar rows: quant/planar.py), the graph picks, per selected expert, the raw rows from the tier that
+owns it, and the expert math then runs once on those rows. So any placement gives bit-identical results to the
+all-resident model (tests/test_tiers_invariance.py).
 
 The host-read side is a `HostExpertSource` (`fetch(layer, experts, on_ssd) -> (gate, up, down)` rows): the SSD
 store (stores.py: O_DIRECT reader pool + slot cache) is one.
@@ -25,6 +26,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from jds41.quant import QTensor
+from jds41.quant.planar import to_planar
 
 STACKS = ("gate", "up", "down")
 # Errors raised by host expert reads inside a step, newest last: `take_failure` hands them to the engine, which
@@ -136,6 +138,12 @@ def union_answer_rows(most: int) -> tuple[int, ...]:
     return SSD_ANSWER_ROWS + tuple(S for S in (-(-most // 4), -(-most // 2)) if 2 < S < most)
 
 
+def in_layer_layout(tl: TieredLayer, rows: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """SSD answers arrive as the file's rows; where the layer's stores hold planar rows (quant/planar.py), the few
+    answered rows are regrouped on the device, so every row a product reads has its stack's one layout."""
+    return tuple(to_planar(r, tl.hbm[n].qtype) if tl.hbm[n].layout == "planar" else r for n, r in zip(STACKS, rows))
+
+
 def stack_shapes(tl: TieredLayer, n: int) -> tuple[jax.ShapeDtypeStruct, ...]:
     """Shapes of n raw expert rows of each stack (gate, up, down) in the layer's leaf layout."""
     return tuple(jax.ShapeDtypeStruct((n, *tl.hbm[s].data.shape[1:]), tl.hbm[s].data.dtype) for s in STACKS)
@@ -177,7 +185,7 @@ def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array, union: bool
     (`union_answer_rows`), not by N."""
     def take(pos):
         shapes = stack_shapes(tl, pos.shape[0])
-        return io_callback(source_fetch(tl, shapes), shapes, idx_N[pos], on_ssd_N[pos])
+        return in_layer_layout(tl, io_callback(source_fetch(tl, shapes), shapes, idx_N[pos], on_ssd_N[pos]))
 
     def zeros():
         return tuple(jnp.zeros(s.shape, s.dtype) for s in stack_shapes(tl, idx_N.shape[0]))
@@ -203,7 +211,7 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
             ssd = ssd_rows(tl, idx_K, on_ssd)
         else:
             shapes = stack_shapes(tl, idx_K.shape[0])
-            ssd = io_callback(source_fetch(tl, shapes), shapes, idx_K, on_ssd)
+            ssd = in_layer_layout(tl, io_callback(source_fetch(tl, shapes), shapes, idx_K, on_ssd))
     if tl.has_host:  # each moved host row crosses PCIe: skip it where the layer has no tier-1 expert
         host_local = jnp.where(tier_K == 1, local_K, 0)
         host = (host_selected_rows(tl, host_local, tier_K == 1) if tl.host_fetch == "selected" and on_miss_only

@@ -94,14 +94,16 @@ class TierRuntime:
         self.reader.close()
 
 
-def open_tiers(gguf, params: dict, profile_name: str, usage_path: str | None = None) -> tuple[dict, TierRuntime]:
+def open_tiers(gguf, params: dict, profile_name: str, usage_path: str | None = None,
+               planar: bool = False) -> tuple[dict, TierRuntime]:
     """(params with experts placed by the profile, the runtime that owns the stores). `params` need not hold the
-    routed stacks: the stores read the placed experts themselves."""
+    routed stacks: the stores read the placed experts themselves. `planar`: the stores hold Q8_0 / MXFP4 stacks in
+    planar rows (the engine's resident weights are planar: quant/planar.py)."""
     profile = load_profile(profile_name)
     placement = placement_for_model(gguf, profile, usage_path)
     layout = ExpertLayout.from_model(gguf)
     reader = ExpertReader(layout)
-    stores = build_stores(layout, placement, reader, n_slots=max(profile.slot_cache_slots, 1))
+    stores = build_stores(layout, placement, reader, n_slots=max(profile.slot_cache_slots, 1), planar=planar)
     tier_LE, _ = stores.tier_table(layout)
     sizes = np.zeros(tier_LE.shape[0], np.int64)
     for layer in layout.layers:
