@@ -34,7 +34,7 @@ from jds41.layers.norm import rms_norm
 from jds41.layers.rope import layer_rope_freqs
 from jds41.layers.router import route
 from jds41.quant import QTensor, qmatvec
-from jds41.tiers.experts import prefetch_experts, select_experts
+from jds41.tiers.experts import prefetch_experts, select_experts, tiered_routed_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,8 +219,10 @@ def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
     cfg = plan.cfg
     r = route_layer(plan, lp, w, h_D, token)
     idx, weight = r.idx_K, r.weight_K
-    if "routed" in w:  # experts split across HBM / pinned host / SSD (jds41.tiers.experts)
-        sel = select_experts(w["routed"], idx, on_miss_only=plan.ssd_call == "on-miss")
+    if "routed" in w and plan.ssd_call == "on-miss":  # experts split across HBM / pinned host / SSD, each computed
+        y = tiered_routed_experts(w["routed"], h_D, idx, weight, cfg.swiglu_limit[lp.index])  # where its rows are
+    elif "routed" in w:  # vmapped (no IO inside a cond): the rows of all K experts gathered into [K, ...] stacks
+        sel = select_experts(w["routed"], idx)
         y = routed_experts(h_D, sel["gate"], sel["up"], sel["down"], jnp.arange(idx.shape[0], dtype=jnp.int32),
                            weight, cfg.swiglu_limit[lp.index])
     else:

@@ -45,23 +45,34 @@ def swiglu(gate: jax.Array, up: jax.Array, limit) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
+def expert_outputs(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Array, weight_K: jax.Array, limit,
+                   tile_k: int | None = None) -> jax.Array:
+    """Each of the K routed experts' weighted output of one token, [K, D] f32 (not summed). `tile_k`: the K whose
+    kernel tile every product uses (tiers compute a layer's K experts in pieces, owner by owner, and each piece
+    must sum in the order of the whole: quant/triton_matvec.default_tile); None = this call's K."""
+    g_KF = qmatvec_experts(x_D, gate_exps, idx_K, tile_k=tile_k)
+    u_KF = qmatvec_experts(x_D, up_exps, idx_K, tile_k=tile_k)
+    # llama.cpp (build_moe_ffn) scales by the routing weight AFTER W_down. Exact algebra makes the order moot, but
+    # under its activation rounding (act_round set: Q8_0 rounds h, not weight*h) it is not: follow llama.cpp there.
+    if down_exps.act_round is None:
+        return qmatvec_experts(swiglu(g_KF, u_KF, limit) * weight_K[:, None], down_exps, idx_K, tile_k=tile_k)
+    return qmatvec_experts(swiglu(g_KF, u_KF, limit), down_exps, idx_K, tile_k=tile_k) * weight_K[:, None]
+
+
+def sum_experts(y_KD: jax.Array) -> jax.Array:
+    """y_0 + y_1 + ... + y_{K-1}, in routing order (fixed left-to-right adds)."""
+    y_D = y_KD[0]
+    for k in range(1, y_KD.shape[0]):
+        y_D = y_D + y_KD[k]
+    return y_D
+
+
 def routed_experts(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Array, weight_K: jax.Array,
                    limit) -> jax.Array:
     """Sum of the K routed experts of one token -> [D]. gate/up_exps [E, F, D], down_exps [E, D, F] QTensors."""
     x_D, idx_K, weight_K = island((jnp.asarray(x_D, jnp.float32), jnp.asarray(idx_K, jnp.int32),
                                    jnp.asarray(weight_K, jnp.float32)))
-    g_KF = qmatvec_experts(x_D, gate_exps, idx_K)
-    u_KF = qmatvec_experts(x_D, up_exps, idx_K)
-    # llama.cpp (build_moe_ffn) scales by the routing weight AFTER W_down. Exact algebra makes the order moot, but
-    # under its activation rounding (act_round set: Q8_0 rounds h, not weight*h) it is not: follow llama.cpp there.
-    if down_exps.act_round is None:
-        y_KD = qmatvec_experts(swiglu(g_KF, u_KF, limit) * weight_K[:, None], down_exps, idx_K)
-    else:
-        y_KD = qmatvec_experts(swiglu(g_KF, u_KF, limit), down_exps, idx_K) * weight_K[:, None]
-    y_D = y_KD[0]
-    for k in range(1, y_KD.shape[0]):
-        y_D = y_D + y_KD[k]
-    return island(y_D)
+    return island(sum_experts(expert_outputs(x_D, gate_exps, up_exps, down_exps, idx_K, weight_K, limit)))
 
 
 def shared_expert(x_D: jax.Array, gate, up, down, limit) -> jax.Array:

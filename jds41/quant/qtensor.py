@@ -279,12 +279,13 @@ def qmatmul_expert(x_TI: jax.Array, w_stack: QTensor, expert: jax.Array, *,
                       precision=precision, preferred_element_type=jnp.float32)
 
 
-def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array) -> jax.Array:
+def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array, tile_k: int | None = None) -> jax.Array:
     """y[k, o] = sum_i W[idx[k], o, i] x[(k,) i]; `w_stack` logical `[E, out, in]`, result f32 `[K, out]`.
 
     `x` is `[in]` (one token shared by its K routed experts: gate/up) or `[K, in]` (one input per expert: down).
     Only the K selected experts' quantized rows are gathered (raw bytes, clamped indices), then dequantized inside
-    the multiply-reduce fusion, so no f32 copy of even one expert is made.
+    the multiply-reduce fusion, so no f32 copy of even one expert is made. `tile_k`: compute with the GPU kernel's
+    tile for that many experts (a piece of a layer's K, computed where its rows are, sums as the whole would).
     """
     if len(w_stack.data.shape) != 3 or expert_idx_K.ndim != 1 or x.ndim not in (1, 2):
         raise ValueError(f"qmatvec_experts takes x[in] or x[K, in], w[E, out, in] and idx[K]; got x{list(x.shape)},"
@@ -304,7 +305,10 @@ def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array) -> 
     layout = w_stack.layout
     if not _kernel_applies(w_stack):
         return xla_rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout)
-    return rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout)
+    tile = None
+    if tile_k is not None:
+        tile = triton_matvec.default_tile(w_stack.qtype, tile_k, w_stack.data.shape[-2], w_stack.n_cols)
+    return rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout, tile=tile)
 
 
 def xla_rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml") -> jax.Array:
@@ -316,13 +320,14 @@ def xla_rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype
 
 
 def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml",
-                default=None) -> jax.Array:
+                default=None, tile: tuple[int, int, int] | None = None) -> jax.Array:
     """`xla_rows_matvec`, computed on CUDA by the Triton kernel of triton_matvec (the choice is made when lowering:
     one traced function serves every platform). `default(x, raw, idx)` replaces the XLA spelling elsewhere; with
-    JDS41_TRITON=interpret every platform runs the kernel, in Pallas' interpreter."""
+    JDS41_TRITON=interpret every platform runs the kernel, in Pallas' interpreter. `tile`: the kernel's, when not
+    the one its shape gives."""
     if triton_matvec.INTERPRET:
-        return triton_matvec.rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout=layout, interpret=True)
-    kernel = lambda x, raw, idx: triton_matvec.rows_matvec(x, raw, idx, qtype, layout=layout)
+        return triton_matvec.rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout=layout, interpret=True, tile=tile)
+    kernel = lambda x, raw, idx: triton_matvec.rows_matvec(x, raw, idx, qtype, layout=layout, tile=tile)
     xla = default or (lambda x, raw, idx: xla_rows_matvec(x, raw, idx, qtype, layout))
     return lax.platform_dependent(x_XI, raw_EOR, idx_K, cuda=kernel, default=xla)
 

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
+from jds41.layers.moe import expert_outputs, sum_experts
+from jds41.layers.rowwise import island
 from jds41.quant import QTensor
 from jds41.quant.planar import to_planar
 
@@ -62,10 +64,11 @@ class TieredLayer:
     has_host: bool = True  # False: no tier-1 expert in this layer, so the graph moves no host rows at all
     host_fetch: str = "selected"  # or "all": K host rows per layer with no branch (Profile.host_fetch)
     n_ssd: int | None = None  # experts of this layer on the SSD (static): no call can flag more; None = unknown
+    has_hbm: bool = True  # False: no tier-0 expert in this layer (its HBM stack is a dummy)
 
 
 jax.tree_util.register_dataclass(TieredLayer, data_fields=["hbm", "host", "tier_E", "local_E", "lean_margin"],
-                                 meta_fields=["layer", "source", "has_host", "host_fetch", "n_ssd"])
+                                 meta_fields=["layer", "source", "has_host", "host_fetch", "n_ssd", "has_hbm"])
 
 
 def host_rows(q: QTensor, local_N: jax.Array) -> jax.Array:
@@ -197,25 +200,20 @@ def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array, union: bool
     return flagged_rows(on_ssd_N, SSD_ANSWER_ROWS, take, zeros)
 
 
-def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True) -> dict[str, QTensor]:
-    """For the K selected experts, their quantized rows from whichever tier owns each: stacks [K, out, in].
-
-    `on_miss_only`: make the host call only when a selected expert is on the SSD (lax.cond); False calls every
-    step (the host answers at once when nothing is flagged), for vmapped steps where a cond cannot hold IO. False
-    also moves all K host rows with no branch: under vmap a switch runs every branch (1 + 2 + 4 + K moves)."""
+def select_experts(tl: TieredLayer, idx_K: jax.Array) -> dict[str, QTensor]:
+    """For the K selected experts, their quantized rows from whichever tier owns each, gathered into stacks
+    [K, out, in], with no branch: the form a vmapped step needs (JAX has no IO inside a vmapped cond, and under
+    vmap a switch runs every branch), used by the continuously batched step. It calls the host on every step (the
+    host answers at once when nothing is flagged) and moves all K host rows. A one-sequence step computes each
+    expert where its rows are instead (`tiered_routed_experts`)."""
     tier_K = tl.tier_E[idx_K]
     local_K = jnp.where(tier_K == 2, 0, tl.local_E[idx_K])
     on_ssd = tier_K == 2
     if tl.source is not None:
-        if on_miss_only:
-            ssd = ssd_rows(tl, idx_K, on_ssd)
-        else:
-            shapes = stack_shapes(tl, idx_K.shape[0])
-            ssd = in_layer_layout(tl, io_callback(source_fetch(tl, shapes), shapes, idx_K, on_ssd))
+        shapes = stack_shapes(tl, idx_K.shape[0])
+        ssd = in_layer_layout(tl, io_callback(source_fetch(tl, shapes), shapes, idx_K, on_ssd))
     if tl.has_host:  # each moved host row crosses PCIe: skip it where the layer has no tier-1 expert
-        host_local = jnp.where(tier_K == 1, local_K, 0)
-        host = (host_selected_rows(tl, host_local, tier_K == 1) if tl.host_fetch == "selected" and on_miss_only
-                else tuple(host_rows(tl.host[n], host_local) for n in STACKS))
+        host = tuple(host_rows(tl.host[n], jnp.where(tier_K == 1, local_K, 0)) for n in STACKS)
     selected = {}
     for i, n in enumerate(STACKS):
         rows = jnp.take(tl.hbm[n].data, jnp.where(tier_K == 0, local_K, 0), axis=0)
@@ -226,6 +224,62 @@ def select_experts(tl: TieredLayer, idx_K: jax.Array, on_miss_only: bool = True)
         ref = tl.hbm[n]
         selected[n] = ref.with_rows(rows, (idx_K.shape[0], *ref.shape[1:]))
     return selected
+
+
+def _piece(stacks: dict, rows) -> list[QTensor]:
+    """The (gate, up, down) QTensors over rows [S, ...] moved from those stacks (same type and layout)."""
+    return [stacks[n].with_rows(r, (r.shape[0], *stacks[n].shape[1:])) for n, r in zip(STACKS, rows)]
+
+
+def tiered_routed_experts(tl: TieredLayer, x_D: jax.Array, idx_K: jax.Array, weight_K: jax.Array,
+                          limit) -> jax.Array:
+    """`moe.routed_experts` of a tiered layer, each expert computed where its rows are (the decode step's path).
+
+    `select_experts` assembles the K experts' rows into [K, ...] stacks first: a gather of the HBM rows, and for
+    moved host rows a stack, a spread and a select, each a device copy of expert bytes (on the H200, all-host
+    V4-Flash decode spent 1.24 ms of 17.4 per token in them). Here the HBM experts are computed straight from the
+    tier-0 stack, the host and SSD experts from the rows their branch moved (only those), and only the [K, D]
+    outputs are selected. Every product uses the tile of the layer's K (`tile_k`), and each expert's arithmetic is
+    `moe.expert_outputs` on the same bytes, so a placement gives the resident bits (tests/test_tiers_invariance.py).
+    """
+    K = idx_K.shape[0]
+    x_D, idx_K, weight_K = island((jnp.asarray(x_D, jnp.float32), jnp.asarray(idx_K, jnp.int32),
+                                   jnp.asarray(weight_K, jnp.float32)))
+    tier_K = tl.tier_E[idx_K]
+    local_K = jnp.where(tier_K == 2, 0, tl.local_E[idx_K])
+    D = tl.hbm["down"].shape[-2]
+
+    def outputs(stacks, idx, w):
+        return expert_outputs(x_D, *stacks, idx, w, limit, tile_k=K)
+
+    def zeros():
+        return (jnp.zeros((K, D), jnp.float32),)
+
+    if tl.has_hbm:
+        y_KD = outputs([tl.hbm[n] for n in STACKS], jnp.where(tier_K == 0, local_K, 0), weight_K)
+    else:  # the tier-0 stack is a dummy: computing K experts from it would only read it K times
+        y_KD = zeros()[0]
+    if tl.has_host:
+        host_local = jnp.where(tier_K == 1, local_K, 0)
+
+        def host(pos):
+            rows = [host_rows(tl.host[n], host_local[pos]) for n in STACKS]
+            return (outputs(_piece(tl.host, rows), jnp.arange(pos.shape[0], dtype=jnp.int32), weight_K[pos]),)
+
+        if tl.host_fetch == "selected":  # only the host entries move, in moves of 1, 2, 4 or K rows
+            sizes = [1 << i for i in range(max(K - 1, 1).bit_length())]
+            y_host = flagged_rows(tier_K == 1, sizes, host, zeros)[0]
+        else:  # "all": K rows every step, no branch (Profile.host_fetch)
+            y_host = host(jnp.arange(K, dtype=jnp.int32))[0]
+        y_KD = jnp.where((tier_K == 1)[:, None], y_host, y_KD)
+    if tl.source is not None:
+        def ssd(pos):
+            shapes = stack_shapes(tl, pos.shape[0])
+            rows = in_layer_layout(tl, io_callback(source_fetch(tl, shapes), shapes, idx_K[pos], tier_K[pos] == 2))
+            return (outputs(_piece(tl.hbm, rows), jnp.arange(pos.shape[0], dtype=jnp.int32), weight_K[pos]),)
+
+        y_KD = jnp.where((tier_K == 2)[:, None], flagged_rows(tier_K == 2, SSD_ANSWER_ROWS, ssd, zeros)[0], y_KD)
+    return island(sum_experts(y_KD))
 
 
 def prefetch_experts(tl: TieredLayer, guess_K: jax.Array) -> None:
@@ -256,7 +310,8 @@ def place_experts(params: dict, stores, layout, host_fetch: str = "selected", le
                 tier_E=jnp.asarray(tier_LE[layer], jnp.int32), local_E=jnp.asarray(np.maximum(local_LE[layer], 0)),
                 lean_margin=jnp.float32(lean_margin),
                 layer=layer, source=stores.ssd if on_ssd else None, has_host=bool((tier_LE[layer] == 1).any()),
-                host_fetch=host_fetch, n_ssd=int((tier_LE[layer] == 2).sum()))
+                host_fetch=host_fetch, n_ssd=int((tier_LE[layer] == 2).sum()),
+                has_hbm=bool((tier_LE[layer] == 0).any()))
         blocks.append(block)
     return {**params, "blocks": blocks}
 
