@@ -16,9 +16,10 @@ touches a variadic reduce, XLA's loop emitter fuses the whole decode into it, an
 sums reach memory. Other platforms get the plain sum, which XLA:GPU fuses and runs 3-5x faster there (H200).
 tests/test_quant_hlo.py checks the compiled HLO on whichever backend runs it.
 
-On CUDA the one-token MXFP4 products (`qmatvec`, `qmatvec_experts`) are a Triton kernel instead (`rows_matvec`,
-jds41/quant/triton_matvec.py: XLA's select-heavy decode of the format was the bound there); `xla_rows_matvec` is
-their XLA spelling, what every other platform runs and the kernel is tested against.
+On CUDA the one-token products (`qmatvec`, `qmatvec_experts`) of the formats and layouts the Triton kernel takes
+(MXFP4, planar Q8_0, IQ2_XXS, Q2_K: jds41/quant/triton_matvec.py) are that kernel instead (`rows_matvec`: XLA read
+them at 4-20% of HBM bandwidth there); `xla_rows_matvec` is their XLA spelling, what every other platform runs and
+the kernel is tested against. A tensor's `layout` says how its rows hold the blocks (quant/planar.py).
 
 Only `qmatmul` with several tokens and `qmatmul_expert` (one expert of a stack for a tile of rows, the grouped prompt
 pass of jds41/layers/grouped_experts.py) dequantize to an f32 copy and call `dot`: the copy is shared by the rows.
