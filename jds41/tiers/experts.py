@@ -239,9 +239,9 @@ def tiered_routed_experts(tl: TieredLayer, x_D: jax.Array, idx_K: jax.Array, wei
     moved host rows a spread and a select, each a device copy of expert bytes (on the H200, all-host V4-Flash
     decode spent 0.45 ms of 17.4 per token in the selects alone). Here the HBM experts are computed straight from
     the tier-0 stack, the host and SSD experts from the rows their branch moved (only those), and only the [K, D]
-    outputs are selected. (The moved rows are still stacked: `host_rows`.) Every product uses the tile of the layer's K (`tile_k`), and each expert's arithmetic is
-    `moe.expert_outputs` on the same bytes, so a placement gives the resident bits (tests/test_tiers_invariance.py).
-    """
+    outputs are selected. (The moved rows are still stacked: `host_rows`.) Every product uses the tile of the
+    layer's K (`tile_k`), and each expert's arithmetic is `moe.expert_outputs` on the same bytes, so a placement
+    gives the resident bits (tests/test_tiers_invariance.py)."""
     K = idx_K.shape[0]
     x_D, idx_K, weight_K = island((jnp.asarray(x_D, jnp.float32), jnp.asarray(idx_K, jnp.int32),
                                    jnp.asarray(weight_K, jnp.float32)))
