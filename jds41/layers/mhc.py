@@ -100,14 +100,15 @@ def _sinkhorn(logits_SD: jax.Array, hc_eps: float, iters: int) -> jax.Array:
     c_SD = e_SD / _row_sums(e_SD)[..., :, None] + eps  # softmax over dst, + hc_eps
     c_SD = c_SD / (_col_sums(c_SD)[..., None, :] + eps)
 
-    # Unrolled on purpose: iters is static (20 in V4/V4.1) and each round is a few elementwise ops on [H, H]. As a
-    # fori_loop, XLA:GPU ran every round as its own host-launched kernel outside the step's command buffer (16 loops
-    # of 19 rounds per V4-Flash 8-layer token: 296 tok/s unrolled against 226). Unrolled it is still ~20 fusions
-    # (each round reads all of the last), so on CUDA hc_split runs sinkhorn_kernel instead; this is the reference.
-    for _ in range(iters - 1):
+    # The reference keeps the loop: unrolled, XLA:CPU fuses the chain differently and its last bits move (enough to
+    # move llama.cpp's near-tie flips in tests/test_model_vs_llamacpp.py). On the GPU this loop was the cost (XLA:GPU
+    # runs each round as a host-launched iteration: 226 tok/s on V4-Flash 8L, 296 unrolled, where unrolled is still
+    # ~20 fusions per sublayer), so on CUDA hc_split runs sinkhorn_kernel instead.
+    def body(_, c_SD):
         c_SD = c_SD / (_row_sums(c_SD)[..., :, None] + eps)
-        c_SD = c_SD / (_col_sums(c_SD)[..., None, :] + eps)
-    return c_SD
+        return c_SD / (_col_sums(c_SD)[..., None, :] + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, body, c_SD)
 
 
 def hc_split(mix_M: jax.Array, scale_3: jax.Array, base_M: jax.Array, hc_eps: float,

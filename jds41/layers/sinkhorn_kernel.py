@@ -1,9 +1,10 @@
 """mHC's Sinkhorn normalisation (layers/mhc.py `_sinkhorn`) as one Pallas (Triton) kernel per call on the GPU.
 
 Why (experiments/README.md, "Where a decode token's time goes"): the comb matrix is 4 x 4, and its 20 rounds of
-row and column normalisation are a chain in which every round reads every value of the round before. XLA:GPU cannot
-fuse such a chain without recomputing it exponentially, so it cut it into about 20 kernels of ~1.3 us per sublayer:
-on the V4-Flash 8-layer shape, 370 of the 857 kernels of a decode step. Here one program takes one row's 16 logits
+row and column normalisation are a chain in which every round reads every value of the round before. As the
+reference's `fori_loop`, XLA:GPU ran every round as a host-launched loop iteration; unrolled, it cannot fuse such a
+chain without recomputing it exponentially, so it cut it into about 20 kernels of ~1.3 us per sublayer: on the
+V4-Flash 8-layer shape, 370 of the 857 kernels of a decode step. Here one program takes one row's 16 logits
 into registers and runs the whole normalisation in scalar code, in the order `_sinkhorn` writes it (maxima and sums
 left to right), so a sublayer's comb is one launch.
 
