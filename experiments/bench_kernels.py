@@ -4,7 +4,7 @@ layout and the planar one (quant/planar.py), with each one's GB/s, share of HBM 
 over GGML rows. One JSON line per (shape, path, tile). Issue #5, item 4: the
 routed-expert product read MXFP4 at 7% of HBM bandwidth through XLA (experiments/README.md, step parts).
 
-    python experiments/bench_kernels.py [--reps 50] [--tiles] [--out FILE]
+    python experiments/bench_kernels.py [--reps 50] [--tiles] [--shapes a,b] [--out FILE]
 
 Each timed call runs `--reps` products in one jitted `fori_loop`, the expert indices moving on every iteration so
 the rows come from HBM, not from the 60 MB L2 (one call reads 27 MB; 50 calls walk 300 experts of the 1.1 GB
@@ -28,15 +28,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import BW, _commit, _machine, emit  # noqa: E402  (sibling script, run as a file)
 
 from jds41.quant import row_bytes  # noqa: E402
-from jds41.quant.planar import to_planar  # noqa: E402
+from jds41.quant.planar import PLANAR_TYPES, to_planar  # noqa: E402
 from jds41.quant.qtensor import xla_rows_matvec  # noqa: E402
 from jds41.quant.random_blocks import random_quantized  # noqa: E402
-from jds41.quant.triton_matvec import default_tile, rows_matvec, supported  # noqa: E402
+from jds41.quant.triton_matvec import BLOCKS, default_tile, rows_matvec, supported  # noqa: E402
 
 # (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4), one
 # dense MXFP4 matrix of the model width, and its dense Q8_0 matrices: attention's q_b [32768, 1024] and o_b
-# [4096, 8192], and the output head [129280, 4096] (562 MB). A dense matrix smaller than the L2 cache comes as a
-# stack of copies that the calls walk (K = 1), as the layers of a step do, so its bytes are read from HBM.
+# [4096, 8192], and the output head [129280, 4096] (562 MB); V4.1's two-bit routed experts as the file stores them
+# (IQ2_XXS gate/up [2304, 5120], Q2_K down [5120, 2304], 384 per layer). A dense matrix smaller than the L2 cache
+# comes as a stack of copies that the calls walk (K = 1), as the layers of a step do, so its bytes are read from HBM.
 SHAPES = (
     ("experts-gate-up", T.MXFP4, 256, 2048, 4096, 6, 1),
     ("experts-down", T.MXFP4, 256, 4096, 2048, 6, 6),
@@ -45,14 +46,17 @@ SHAPES = (
     ("attn-q-b", T.Q8_0, 8, 32768, 1024, 1, 1),
     ("attn-o-b", T.Q8_0, 8, 4096, 8192, 1, 1),
     ("head", T.Q8_0, 1, 129280, 4096, 1, 1),
+    ("v41-experts-gate-up", T.IQ2_XXS, 384, 2304, 5120, 6, 1),
+    ("v41-experts-down", T.Q2_K, 384, 5120, 2304, 6, 6),
 )
-TILES = [(bo, nb, 4) for bo in (1, 2, 4, 8, 16) for nb in (16, 32, 64, 128)]  # --tiles: filtered by shape
+# --tiles: filtered by shape (steps of at least 512 values, at most 16 KB loaded per step)
+TILES = [(bo, nb, 4) for bo in (1, 2, 4, 8, 16) for nb in (2, 4, 8, 16, 32, 64, 128)]
 
 
 def _stack(rng, qtype, E: int, n_out: int, n_in: int) -> jax.Array:
     """E random experts: one quantized block of at most 2048 rows written once and tiled over the rows and the
     experts (the bytes, not their values, set the speed), so a 256-expert stack costs one small quantization."""
-    n = min(n_out, 2048)
+    n = next(d for d in range(min(n_out, 2048), 0, -1) if n_out % d == 0)
     one = random_quantized(rng, qtype, (1, n, n_in))
     return jax.device_put(np.tile(one, (E, n_out // n, 1)))
 
@@ -80,31 +84,40 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tiles", action="store_true", help="also sweep the kernel tile (every shape but dense)")
+    ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    wanted = set(a.shapes.split(",")) if a.shapes else {s[0] for s in SHAPES}
+    if wanted - {s[0] for s in SHAPES}:
+        ap.error(f"unknown shapes {sorted(wanted - {s[0] for s in SHAPES})}; known: {[s[0] for s in SHAPES]}")
     gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     common = {"bench": "kernels", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "reps": a.reps}
-    for name, qtype, E, n_out, n_in, K, X in SHAPES:
+    for name, qtype, E, n_out, n_in, K, X in (s for s in SHAPES if s[0] in wanted):
         if not gpu:  # the interpreter is slow: a small stack of the same kind checks the path
             E, n_out, n_in = min(E, 4), 64, 512
         if not gpu and qtype == T.Q8_0:
             n_out = 32
+        if not gpu and qtype in (T.IQ2_XXS, T.Q2_K):  # one 256-value super-block per row
+            n_in = 256
         ggml = _stack(rng, qtype, E, n_out, n_in)
-        rows = {"ggml": ggml, "planar": jax.jit(to_planar, static_argnums=1)(ggml, qtype)}
+        rows = {"ggml": ggml}
+        if qtype in PLANAR_TYPES:
+            rows["planar"] = jax.jit(to_planar, static_argnums=1)(ggml, qtype)
         x = jnp.asarray(rng.standard_normal((X, n_in)), jnp.float32)
         idx0 = jnp.arange(K, dtype=jnp.int32)
         nbytes = K * n_out * row_bytes(qtype, n_in)
         shape = {"shape": name, "qtype": qtype.name, "experts": E, "out": n_out, "in": n_in, "k": K, "bytes": nbytes}
         want = np.asarray(jax.jit(lambda x, r, i, q=qtype: xla_rows_matvec(x, r, i, q))(x, ggml, idx0))
-        paths = [("xla", "ggml", None), ("xla", "planar", None)]
+        paths = [("xla", lay, None) for lay in rows]
         paths += [("triton", lay, None) for lay in ("ggml", "planar") if supported(qtype, 0, lay)]
-        if a.tiles and name != "dense":  # the layout the engine gives the kernel: GGML experts, planar dense
-            lay = "ggml" if name.startswith("experts") else "planar"
-            bytes_per_block = 32 if qtype == T.Q8_0 else 16
-            paths += [("triton", lay, t) for t in TILES if n_out % t[0] == 0 and (n_in // 32) % t[1] == 0
-                      and t[0] * t[1] * bytes_per_block <= 16384 and t != default_tile(qtype, K, n_out, n_in)]
+        if a.tiles and name != "dense":  # the layout the engine gives the kernel: planar where the kernel reads
+            lay = "planar" if supported(qtype, 0, "planar") else "ggml"  # it, else the file's
+            values, _, loaded = BLOCKS[qtype]
+            paths += [("triton", lay, t) for t in TILES if n_out % t[0] == 0 and (n_in // values) % t[1] == 0
+                      and t[1] * values >= 512 and t[0] * t[1] * loaded <= 16384
+                      and t != default_tile(qtype, K, n_out, n_in)]
         for path, layout, tile in paths:
             if path == "xla":
                 product = lambda x, r, i, q=qtype, lay=layout: xla_rows_matvec(x, r, i, q, lay)
