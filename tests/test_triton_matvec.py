@@ -1,11 +1,12 @@
 """The Triton kernel of the one-token quantized products (jds41/quant/triton_matvec.py), the decode fast path on CUDA.
 
 On every machine: the kernel, run in Pallas' interpreter, against a float64 re-derivation from gguf-py's
-dequantizer, for every format and row layout it takes (MXFP4 as in the file and planar, Q8_0 planar, IQ2_XXS and
-Q2_K as in the file; x shared by the K experts and one x per expert; clamped indices; a tile that is not the
+dequantizer, for every format and row layout it takes (MXFP4 as in the file and planar, Q8_0 planar, IQ2_XXS as in
+the file; x shared by the K experts and one x per expert; clamped indices; a tile that is not the
 default; every MXFP4 nibble code, subnormal-free); and the wiring: lowered for CUDA, the products of
 `qmatvec_experts` and `qmatvec` are the Triton custom call, lowered for the CPU they are not, and Q8_0 rows in the
-file's layout, stacks past 2^31 bytes and llama.cpp's activation rounding keep the XLA spelling everywhere.
+file's layout, Q2_K rows, stacks past 2^31 bytes and llama.cpp's activation rounding keep the XLA spelling
+everywhere.
 On a GPU (marker `gpu`): the compiled kernel at the V4-Flash and V4.1 shapes against the XLA spelling it replaces,
 and a vmapped kernel (row-batched decode) bit for bit against one call per row.
 """
@@ -106,16 +107,16 @@ def test_decode_products_lower_to_the_kernel_on_cuda_only():
     rounded = QTensor.from_raw(raw, T.MXFP4, (8, 32, 512), act_round="ggml-cpu")  # the llama.cpp oracle's numerics
     q8 = QTensor.from_raw(q8_raw, T.Q8_0, (8, 32, 512))  # GGML Q8_0 rows: XLA reads them (tiers keep them so)
     huge = QTensor.abstract(T.MXFP4, (1024, 4096, 4096))  # 2.3 GB: past the kernel's 32-bit offsets
-    for other in (rounded, q8, huge):
+    q2k = QTensor.from_raw(random_quantized(rng, T.Q2_K, (8, 32, 512)), T.Q2_K, (8, 32, 512))  # XLA is faster
+    for other in (rounded, q8, huge, q2k):
         x_in = jax.ShapeDtypeStruct((other.n_cols,), jnp.float32)
         assert TRITON_CALL not in _lowered(lambda w, x, i: qmatvec_experts(x, w, i), other, x_in, idx, platform="cuda")
 
 
 # V4-Flash's decode shapes: routed gate/up, routed down (one x per expert), a dense MXFP4 matrix, the Q8_0 head;
-# V4.1's routed gate/up (IQ2_XXS, 20 blocks a row) and down (Q2_K, 9 blocks a row).
+# V4.1's routed gate/up (IQ2_XXS, 20 blocks a row).
 GPU_SHAPES = [(T.MXFP4, 256, 2048, 4096, 1), (T.MXFP4, 256, 4096, 2048, 6), (T.MXFP4, 1, 4096, 4096, 1),
-              (T.Q8_0, 1, 129280, 4096, 1), (T.Q8_0, 8, 32768, 1024, 1), (T.IQ2_XXS, 384, 2304, 5120, 1),
-              (T.Q2_K, 384, 5120, 2304, 6)]
+              (T.Q8_0, 1, 129280, 4096, 1), (T.Q8_0, 8, 32768, 1024, 1), (T.IQ2_XXS, 384, 2304, 5120, 1)]
 
 
 @pytest.mark.gpu

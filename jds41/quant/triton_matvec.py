@@ -3,14 +3,14 @@
 Why (experiments/README.md, "Where the step's time goes", "The Triton kernel", "Where a decode token's time goes"):
 XLA:GPU fuses each format's block decode (blocks.py) into the multiply-and-sum of `qtensor._row_dot`, but read MXFP4
 experts at 4-7% of HBM bandwidth on the H200 (its decode assembles each value from bit fields with selects, exact on
-every backend, and that integer work, not the bytes, bounded it), V4.1's IQ2_XXS / Q2_K experts at ~350-400 GB/s,
+every backend, and that integer work, not the bytes, bounded it), V4.1's IQ2_XXS experts at ~140 GB/s in the loop,
 and Q8_0 rows at ~900 GB/s. A kernel over Q8_0 rows in the GGML layout has to load byte by byte (a first design ran
 4x slower than XLA and was dropped); in the planar layout (quant/planar.py) every load is contiguous and aligned.
 
 Owns `rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout) -> f32 [K, O]`: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i]
 over raw rows `raw[E, O, row_bytes]` (a whole stack, or the K rows a tier gathered) of one of KINDS: MXFP4 in the
-GGML layout (as in the file: the tiers' rows) or the planar one (resident dense weights), Q8_0 planar, IQ2_XXS and
-Q2_K as in the file; `supported(...)`, which says when it applies; `default_tile`, the tile rule; and
+GGML layout (as in the file) or the planar one (what an engine with planar weights holds in every tier), Q8_0
+planar, IQ2_XXS as in the file; `supported(...)`, which says when it applies; `default_tile`, the tile rule; and
 `planar_weights()`, whether an engine regroups its resident weights for it. `qtensor.qmatvec_experts` and
 `qtensor.qmatvec` call it on CUDA only (`lax.platform_dependent`); every other platform and format, and the
 `rows_as_dots` / `act_round` products, keep the XLA spelling, which stays the reference (tests/test_triton_matvec.py:
@@ -58,11 +58,12 @@ PLANAR = os.environ.get("JDS41_PLANAR", "1") != "0"
 _BACKEND = importlib.util.find_spec("jax.experimental.pallas.triton") is not None  # deprecated upstream (jax 0.11)
 # qtype -> (values per block, bytes per block, bytes a step loads per block for the tile rule: the quants alone for
 # the 32-value formats, whose tiles were measured so on the H200) of the formats the kernel decodes
-BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66), T.Q2_K: (256, 84, 84)}
+BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66)}
 # (qtype, layout) pairs the kernel reads: Q8_0 only planar (its GGML rows, loaded byte by byte, ran at a quarter of
-# XLA's speed), the two-bit formats only as in the file (tiers gather them so)
-KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
-                   (T.Q2_K, "ggml")})
+# XLA's speed), IQ2_XXS as in the file (tiers gather it so). Not Q2_K: V4.1's Q2_K down product [5120, 2304] has 9
+# blocks a row, so a step holds one block, and a kernel over it took 119 us where XLA takes 89 on the H200
+# (results/bench_kernels_twobit_h200.jsonl); IQ2_XXS gate/up took 90 us against XLA's 132.
+KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml")})
 # The tile, set by the product's shape alone (so every path that computes a product of that shape, whatever the
 # tier, layout or batching, sums in the same order): BO rows per program, NB blocks per step, NUM_WARPS warps.
 # BO is made small enough that the grid has about PROGRAMS programs (a [2048, 4096] shared-expert matrix at BO = 16
@@ -152,25 +153,29 @@ def _ar(n: int, axis: int, rank: int):
 
 
 def _step_mxfp4(w_ref, x_ref, rows, kx, b, *, planar: bool, n_in: int):
-    """16 nibble bytes per block (value j low, value j + 16 high), an e8m0 scale: sum(lo*x + hi*x) * scale."""
-    r3, b3 = rows[:, None, None], b[None, :, None]
-    pos = _ar(16, 2, 3)
-    q_at, e_at = (b3 * 16, n_in // 2 + b3) if planar else (b3 * 17 + 1, b3 * 17)
-    q = w_ref[r3, q_at + pos].astype(jnp.uint32)  # [BO, NB, 16]
-    scale = jnp.squeeze(_mxfp4_scale(w_ref[r3, e_at]), 2)  # [BO, NB]
-    x_lo = x_ref[kx, b3 * 32 + pos]  # [1, NB, 16]: values 0-15 of each block (low nibbles)
-    x_hi = x_ref[kx, b3 * 32 + 16 + pos]  # values 16-31 (high nibbles)
+    """16 nibble bytes per block (value j low, value j + 16 high), an e8m0 scale: sum(lo*x + hi*x) * scale.
+    The scales load as a [BO, NB] tile and x as [NB, 16] tiles, the load forms the H200 ran fast (e33c2e9); loaded
+    as [BO, NB, 1] and squeezed, and x as [1, NB, 16] (be5a7e8), the resident V4-Flash products took 1.2-2.5x
+    longer (experiments/README.md, thirteenth session)."""
+    b2 = b[:, None]  # [NB, 1]
+    pos = _ar(16, 1, 2)  # [1, 16]
+    q_at, e_at = (b2 * 16, n_in // 2 + b) if planar else (b2 * 17 + 1, b * 17)
+    q = w_ref[rows[:, None, None], (q_at + pos)[None]].astype(jnp.uint32)  # [BO, NB, 16]
+    scale = _mxfp4_scale(w_ref[rows[:, None], e_at[None, :]])  # [BO, NB]
+    x_lo = x_ref[kx, b2 * 32 + pos][None]  # [1, NB, 16]: values 0-15 of each block (low nibbles)
+    x_hi = x_ref[kx, b2 * 32 + 16 + pos][None]  # values 16-31 (high nibbles)
     sums = jnp.sum(_e2m1_doubled(q, 0) * x_lo + _e2m1_doubled(q, 4) * x_hi, axis=2)
     return jnp.sum(sums * scale, axis=1)
 
 
 def _step_q8_0(w_ref, x_ref, rows, kx, b, *, planar: bool, n_in: int):
-    """Planar rows: 32 int8 per block from the row's start, f16 scales after them: sum(q*x) * d."""
-    r3, b3 = rows[:, None, None], b[None, :, None]
-    pos = _ar(32, 2, 3)
-    q = lax.bitcast_convert_type(w_ref[r3, b3 * 32 + pos], jnp.int8).astype(jnp.float32)  # [BO, NB, 32]
-    scale = jnp.squeeze(_f16_at(w_ref, r3, n_in + 2 * b3), 2)  # [BO, NB]
-    sums = jnp.sum(q * x_ref[kx, b3 * 32 + pos], axis=2)
+    """Planar rows: 32 int8 per block from the row's start, f16 scales after them: sum(q*x) * d. Tiles loaded as
+    in `_step_mxfp4`, for the same reason."""
+    b2 = b[:, None]  # [NB, 1]
+    pos = _ar(32, 1, 2)  # [1, 32]
+    q = lax.bitcast_convert_type(w_ref[rows[:, None, None], (b2 * 32 + pos)[None]], jnp.int8).astype(jnp.float32)
+    scale = _f16_at(w_ref, rows[:, None], (n_in + 2 * b)[None, :])  # [BO, NB]
+    sums = jnp.sum(q * x_ref[kx, b2 * 32 + pos][None], axis=2)
     return jnp.sum(sums * scale, axis=1)
 
 
@@ -203,23 +208,6 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref):
     return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
 
 
-def _step_q2_k(w_ref, x_ref, rows, kx, b):
-    """A 256-value block: 16 bytes of (4-bit scale | 4-bit min), 64 bytes of 2-bit quants, f16 d, f16 dmin. Value
-    16 s + j of sub-block s sits in byte 32 (s // 8) + 16 (s % 2) + j at bit 2 ((s % 8) // 2). Per sub-block
-    d * sc * sum(q * x) - dmin * mn * sum(x), summed over sub-blocks and blocks."""
-    r4, b4 = rows[:, None, None, None], b[None, :, None, None]
-    s, j = _ar(16, 2, 4), _ar(16, 3, 4)  # [1, 1, 16, 1] sub-blocks, [1, 1, 1, 16] values in one
-    byte = w_ref[r4, b4 * 84 + 16 + (s >> 3) * 32 + (s & 1) * 16 + j].astype(jnp.int32)  # [BO, NB, 16, 16]
-    q = ((byte >> (2 * ((s & 7) >> 1))) & 3).astype(jnp.float32)
-    x = x_ref[kx, b4 * 256 + s * 16 + j]  # [1, NB, 16, 16]
-    qx, xs = jnp.sum(q * x, axis=3), jnp.sum(x, axis=3)  # [BO, NB, 16], [1, NB, 16]
-    sc = jnp.squeeze(w_ref[r4, b4 * 84 + s].astype(jnp.int32), 3)  # [BO, NB, 16]
-    d = jnp.squeeze(_f16_at(w_ref, r4, b4 * 84 + 80), 3)  # [BO, NB, 1]
-    dmin = jnp.squeeze(_f16_at(w_ref, r4, b4 * 84 + 82), 3)
-    part = (d * (sc & 15).astype(jnp.float32)) * qx - (dmin * (sc >> 4).astype(jnp.float32)) * xs
-    return jnp.sum(jnp.sum(part, axis=2), axis=1)
-
-
 def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
             steps: int, x_per_row: bool):
     tbl_ref, o_ref = rest if qtype == T.IQ2_XXS else (None, rest[0])
@@ -228,7 +216,7 @@ def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out:
     rows = idx_ref[k] * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, R] stack
     step_of = {T.MXFP4: functools.partial(_step_mxfp4, planar=planar, n_in=n_in),
                T.Q8_0: functools.partial(_step_q8_0, planar=planar, n_in=n_in),
-               T.IQ2_XXS: functools.partial(_step_iq2_xxs, tbl_ref=tbl_ref), T.Q2_K: _step_q2_k}[qtype]
+               T.IQ2_XXS: functools.partial(_step_iq2_xxs, tbl_ref=tbl_ref)}[qtype]
 
     def step(t, acc_O):
         return acc_O + step_of(w_ref, x_ref, rows, kx, t * nb + jnp.arange(nb, dtype=jnp.int32))
