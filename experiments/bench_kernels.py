@@ -87,9 +87,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    wanted = set(a.shapes.split(",")) if a.shapes else {s[0] for s in SHAPES}
-    if wanted - {s[0] for s in SHAPES}:
-        ap.error(f"unknown shapes {sorted(wanted - {s[0] for s in SHAPES})}; known: {[s[0] for s in SHAPES]}")
+    names = [s[0] for s in SHAPES]
+    wanted = set(a.shapes.split(",")) if a.shapes else set(names)
+    if wanted - set(names):
+        ap.error(f"unknown shapes {sorted(wanted - set(names))}; known: {names}")
     gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     common = {"bench": "kernels", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
@@ -99,8 +100,6 @@ def main(argv=None) -> int:
             E, n_out, n_in = min(E, 4), 64, 512
         if not gpu and qtype == T.Q8_0:
             n_out = 32
-        if not gpu and qtype in (T.IQ2_XXS, T.Q2_K):  # one 256-value super-block per row
-            n_in = 256
         ggml = _stack(rng, qtype, E, n_out, n_in)
         rows = {"ggml": ggml}
         if qtype in PLANAR_TYPES:
