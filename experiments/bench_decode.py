@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [(f"ladder-{rung}", ladder_profile(rung, fields, cfg.n_experts_used, a.lean_margin, a.workdir),
                  usage_path if ranked else None, loop) for rung, fields, ranked, loop in LADDER]
     else:
-        runs = [(name, None, usage_path, "device") for name in a.profiles.split(",")]
+        runs = [(name, None, usage_path, "device") for name in a.profiles.split(",") if name]  # none: write only
     ref = None
     for name, prof, usage, loop in runs:
         row = {**common, **run_profile(path, name, a, usage, stream, prompt, prof, loop)}

@@ -59,7 +59,16 @@ from jds41.layers.norm import rms_norm
 from jds41.layers.router import route
 from jds41.layers.rowwise import island, map_rows
 from jds41.quant import QTensor
-from jds41.tiers.experts import STACKS, TieredLayer, host_rows, host_selected_rows, prefetch_experts, ssd_rows
+from jds41.tiers.experts import (
+    STACKS,
+    WHOLE_STACK,
+    TieredLayer,
+    host_rows,
+    host_selected_rows,
+    prefetch_experts,
+    ssd_rows,
+    whole_host_stack,
+)
 
 LAYER_MAJOR_MIN = 64  # the smallest layer-major piece; shorter remainders run token-major (model.prefill/step)
 
@@ -118,7 +127,9 @@ def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict
     if tl.has_host:
         host_local = jnp.where(tier_U == 1, local_U, 0)
         n_host = tl.host[STACKS[0]].data.shape[0]
-        if U >= n_host:  # the union may need every host expert: move the stack once, expert by expert
+        if U >= n_host and WHOLE_STACK:  # the union may need every host expert: move the stack in one transfer
+            host = tuple(jnp.take(whole_host_stack(tl.host[n]), host_local, axis=0) for n in STACKS)
+        elif U >= n_host:  # the same, expert by expert
             # The barrier ties the move to this layer's routing: without it XLA may start every layer's
             # transfer at once (they depend on no data), holding all layers' host stacks on the device.
             every, _ = island((jnp.arange(n_host, dtype=jnp.int32), union_U))

@@ -201,9 +201,10 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref):
     mag = (8 + 17 * code + (code >> 1)).astype(jnp.float32)
     s7 = (aux >> (7 * (o & 3)).astype(jnp.uint32)) & 0x7F
     neg = (((s7 | (_parity(s7) << 7)) >> k.astype(jnp.uint32)) & 1).astype(jnp.float32)
-    x = x_ref[kx, b4 * 256 + o * 8 + k]  # [1, NB, 32, 8]
+    # x as [NB, 32, 8] and d as one [BO, NB] tile, then broadcast: the load forms `_step_mxfp4` says are fast.
+    x = x_ref[kx, b[:, None, None] * 256 + o[0] * 8 + k[0]][None]  # [1, NB, 32, 8]
     sums = jnp.sum(mag * (1 - 2 * neg) * x, axis=3)  # [BO, NB, 32]
-    d = jnp.squeeze(_f16_at(w_ref, r4, b4 * 66), 3)  # [BO, NB, 1]
+    d = _f16_at(w_ref, rows[:, None], (b * 66)[None, :])[:, :, None]  # [BO, NB, 1]
     scale = d * (jnp.squeeze(aux >> 28, 3).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)
     return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
 

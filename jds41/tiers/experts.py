@@ -18,6 +18,7 @@ store (stores.py: O_DIRECT reader pool + slot cache) is one.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Protocol
 
 import jax
@@ -82,6 +83,18 @@ def host_rows(q: QTensor, local_N: jax.Array) -> jax.Array:
     # slow host compute (seen on the H200: 23 GB/s instead of ~48).
     return jnp.stack([jax.device_put(jax.lax.dynamic_index_in_dim(data, local_N[k], 0, keepdims=False),
                                      jax.memory.Space.Device) for k in range(local_N.shape[0])])
+
+
+def whole_host_stack(q: QTensor) -> jax.Array:
+    """The whole pinned-host stack moved to the device as ONE transfer (a layer-major group whose union may need
+    every host expert). Unlike `host_rows`' per-expert dynamic slices, which read host memory from a kernel on the
+    compute stream, a whole-array move is a copy XLA can make asynchronous and overlap with compute
+    (results/bench_prefill_stack_v4_8L_h200.jsonl measures whether it does). JDS41_WHOLE_STACK=0 keeps the
+    per-expert moves, for that A/B."""
+    return jax.device_put(q.data, jax.memory.Space.Device)
+
+
+WHOLE_STACK = os.environ.get("JDS41_WHOLE_STACK", "1") != "0"
 
 
 def flagged_rows(flag_N: jax.Array, sizes, take, zeros, most: int | None = None) -> tuple[jax.Array, ...]:
