@@ -1,0 +1,87 @@
+"""Does a whole pinned-host array moved inside jit overlap the compute around it? (issue #10's all-host prefill)
+
+    python experiments/probe_host_copy.py [--gib 2] [--reps 5] [--out FILE.jsonl]
+
+Three jitted programs on a pinned-host uint8 stack of --gib GiB and a device f32 matrix:
+- move: `jax.device_put(stack, Space.Device)` inside jit, a checksum of the moved bytes;
+- compute: a chain of matmuls on the device matrix sized to take about as long as the move;
+- both: the two in one program with no data between them.
+If XLA runs the move as an asynchronous copy beside the compute, `both` takes about max(move, compute); if the copy
+is a kernel on the compute stream, about move + compute. The optimized HLO is searched for copy-start / copy-done
+(async copies) and dynamic-slice fusions reading host memory. One JSON line. Meaningful on the GPU only (on the CPU
+the "pinned host" array is ordinary memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import _commit, _machine  # noqa: E402  (sibling script)
+
+
+def _time(fn, *args, reps: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=2.0)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--matmuls", type=int, default=0, help="matmuls in the compute chain (0: sized to the move)")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    kinds = {m.kind for m in dev.addressable_memories()}
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host" if "pinned_host" in kinds else "device")
+    n = int(a.gib * 2**30) // 4096 * 4096
+    stack = jax.device_put(np.ones((n // 4096, 4096), np.uint8), host)
+    m = jax.device_put(jnp.full((4096, 4096), 1e-4, jnp.float32), dev)
+
+    def move(s):
+        return jnp.sum(jax.device_put(s, jax.memory.Space.Device)[::64].astype(jnp.int32))
+
+    def chain(x, count):
+        for _ in range(count):
+            x = jnp.tanh(x @ m)
+        return jnp.sum(x)
+
+    move_s = _time(jax.jit(move), stack, reps=a.reps)
+    one_s = _time(jax.jit(lambda x: chain(x, 1)), m, reps=a.reps)
+    count = a.matmuls or max(1, round(move_s / max(one_s, 1e-6)))
+    compute_s = _time(jax.jit(lambda x: chain(x, count)), m, reps=a.reps)
+    both = jax.jit(lambda s, x: (move(s), chain(x, count)))
+    both_s = _time(both, stack, m, reps=a.reps)
+    hlo = both.lower(stack, m).compile().as_text()
+    row = {"bench": "host_copy_overlap", "gib": round(n / 2**30, 3), "memory_kind": host.memory_kind,
+           "move_s": round(move_s, 5), "move_gb_s": round(n / move_s / 1e9, 1), "matmuls": count,
+           "compute_s": round(compute_s, 5), "both_s": round(both_s, 5),
+           "serial_s": round(move_s + compute_s, 5), "overlapped_s": round(max(move_s, compute_s), 5),
+           "overlap_share": round((move_s + compute_s - both_s) / min(move_s, compute_s), 3),
+           "hlo": {"copy_start": hlo.count("copy-start"), "copy_done": hlo.count("copy-done"),
+                   "dynamic_slice": hlo.count("dynamic-slice")},
+           "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv)}
+    line = json.dumps(row)
+    print(line, flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(line + "\n")
+    return row
+
+
+if __name__ == "__main__":
+    main()
