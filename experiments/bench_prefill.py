@@ -47,7 +47,6 @@ from bench_decode import _commit, _machine, planar_weights_on, triton_kernels_on
 from jds41 import prefill as PF  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
 from jds41.prompt_pieces import prompt_pieces  # noqa: E402
-from jds41.tiers.experts import WHOLE_STACK  # noqa: E402
 from jds41.tiers.stores import ExpertLayout  # noqa: E402
 
 BANDWIDTH = {"hbm": 4.4e12, "host": 48e9, "ssd": 1.9e9}  # bytes/s, DESIGN.md §7
@@ -187,7 +186,8 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
             "roofline": roof, "flops_per_token": flops, "compute_bound_tok_s_f32": round(F32_FLOPS / flops, 1),
             "of_roofline": round(tok_s / roof["tok_s_overlapped"], 4) if roof["tok_s_overlapped"] else None,
             "vs_llamacpp_8l_host_experts": round(tok_s / LLAMACPP_8L["host_experts_tok_s"], 3),
-            "tier_stats": tiers.stats() if tiers is not None else None, "device_peak_bytes": _device_peak_bytes()}
+            "tier_stats": tiers.stats() if tiers is not None else None, "device_peak_bytes": _device_peak_bytes(),
+            "whole_host_stack": any(b["routed"].host_whole for b in engine.params["blocks"] if "routed" in b)}
 
 
 def _device_peak_bytes() -> int | None:
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     meta = {"model": os.path.basename(args.model), "commit": _commit(), "machine": _machine(),
             "triton_kernels": triton_kernels_on(), "planar_weights": planar_weights_on(),
-            "whole_host_stack": WHOLE_STACK, "device": str(jax.devices()[0]),
+            "device": str(jax.devices()[0]),
             "host": platform.node(), "command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])])}
     results = []
     for profile, width, prompt_width in [(p, int(w), int(r)) for p in args.profiles.split(",")

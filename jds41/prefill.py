@@ -61,7 +61,6 @@ from jds41.layers.rowwise import island, map_rows
 from jds41.quant import QTensor
 from jds41.tiers.experts import (
     STACKS,
-    WHOLE_STACK,
     TieredLayer,
     host_rows,
     host_selected_rows,
@@ -113,10 +112,11 @@ def plan_pieces(n_tokens: int, chunk: int, min_piece: int | None = None) -> tupl
 
 def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict[str, QTensor]:
     """Raw rows of the union's experts, [U, out, in] per stack, each from the tier that owns it: one gather from
-    the tier-0 stack, one move from the pinned-host stack (one device_put per expert: of the whole stack when the
-    union could cover it, else of the union entries the host owns, tiers/experts.host_selected_rows), one host
-    call for the SSD experts (made only when the union has one). Every move depends on the layer's routing, so
-    layers move in turn."""
+    the tier-0 stack, one move from the pinned-host stack, one host call for the SSD experts (made only when the
+    union has one). When the union could cover every host expert, the host stack moves whole: in one transfer
+    where the placement allowed it (`tl.host_whole`: an async copy that overlaps compute, started when XLA
+    schedules it), else one device_put per expert tied to this layer's routing; otherwise only the union entries
+    the host owns move (tiers/experts.host_selected_rows)."""
     U = union_U.shape[0]
     tier_U = jnp.where(valid_U, tl.tier_E[union_U], -1)
     local_U = tl.local_E[union_U]
@@ -127,7 +127,7 @@ def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict
     if tl.has_host:
         host_local = jnp.where(tier_U == 1, local_U, 0)
         n_host = tl.host[STACKS[0]].data.shape[0]
-        if U >= n_host and WHOLE_STACK:  # the union may need every host expert: move the stack in one transfer
+        if U >= n_host and tl.host_whole:  # the union may need every host expert: move the stack in one transfer
             host = tuple(jnp.take(whole_host_stack(tl.host[n]), host_local, axis=0) for n in STACKS)
         elif U >= n_host:  # the same, expert by expert
             # The barrier ties the move to this layer's routing: without it XLA may start every layer's

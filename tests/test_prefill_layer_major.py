@@ -7,6 +7,8 @@ union), and through the engine's piece plan (full chunks, power-of-two pieces, t
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ from jds41 import model as M
 from jds41 import prefill as PF
 from jds41.checkpoints import open_model
 from jds41.engine import Engine
-from jds41.tiers.experts import place_experts
+from jds41.tiers.experts import place_experts, whole_stack_fits
 from jds41.tiers.ssd import ExpertReader
 from jds41.tiers.stores import ExpertLayout, build_stores
 from jds41.weights import load_params
@@ -81,6 +83,19 @@ def _mixed_placement(cfg, seed: int = 3) -> dict:
     return out
 
 
+def _with_host_whole(params: dict, whole: bool) -> dict:
+    blocks = [{**b, "routed": dataclasses.replace(b["routed"], host_whole=whole)} if "routed" in b else b
+              for b in params["blocks"]]
+    return {**params, "blocks": blocks}
+
+
+def test_whole_stack_moves_only_within_the_device_memory_bound():
+    free = {"bytes_limit": 100, "bytes_in_use": 40}  # 60 free: whole-stack moves may hold up to 30
+    assert whole_stack_fits(30, free)
+    assert not whole_stack_fits(31, free)
+    assert whole_stack_fits(10**12, None)  # a backend with no device memory count (CPU)
+
+
 @pytest.mark.slow
 def test_layer_major_with_tiered_experts_bitwise_and_moves_less(synthetic_model):
     """HBM / pinned-host / SSD placement, a slot cache of 2 (smaller than a group's SSD union): identical to the
@@ -92,8 +107,14 @@ def test_layer_major_with_tiered_experts_bitwise_and_moves_less(synthetic_model)
     tokens = np.random.default_rng(6).integers(8, engine.vocab_size, 16).tolist()
     with ExpertReader(layout) as reader:
         stores = build_stores(layout, _mixed_placement(engine.cfg), reader, n_slots=2)
-        tiered = engine.with_params(place_experts(load_params(engine.cfg, model), stores, layout))
-        routing = _assert_same(tiered, tokens, 8)[1]  # (placement itself changes nothing: test_tiers_invariance)
+        placed = place_experts(load_params(engine.cfg, model), stores, layout)
+        # Each group's union covers every host expert, so the host stacks move whole: in one transfer (what the
+        # placement chose here: no device memory bound on the CPU) and, as a placement over the device memory
+        # bound gets, one device_put per expert.
+        assert all(b["routed"].host_whole for b in placed["blocks"] if "routed" in b)
+        routing = _assert_same(engine.with_params(placed), tokens, 8)[1]  # (placement alone changes nothing:
+        #                                                                   test_tiers_invariance)
+        _assert_same(engine.with_params(_with_host_whole(placed, False)), tokens, 8)
         assert stores.ssd.stats.to_dict()["lookups"] > 0  # the SSD tier was really read
 
     class Tiers:  # what moved_bytes reads of a TierRuntime

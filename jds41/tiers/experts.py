@@ -66,10 +66,13 @@ class TieredLayer:
     host_fetch: str = "selected"  # or "all": K host rows per layer with no branch (Profile.host_fetch)
     n_ssd: int | None = None  # experts of this layer on the SSD (static): no call can flag more; None = unknown
     has_hbm: bool = True  # False: no tier-0 expert in this layer (its HBM stack is a dummy)
+    host_whole: bool = False  # a group whose union may need every host expert moves the stack whole
+    #                           (whole_host_stack; place_experts decides, for every layer at once)
 
 
 jax.tree_util.register_dataclass(TieredLayer, data_fields=["hbm", "host", "tier_E", "local_E", "lean_margin"],
-                                 meta_fields=["layer", "source", "has_host", "host_fetch", "n_ssd", "has_hbm"])
+                                 meta_fields=["layer", "source", "has_host", "host_fetch", "n_ssd", "has_hbm",
+                                              "host_whole"])
 
 
 def host_rows(q: QTensor, local_N: jax.Array) -> jax.Array:
@@ -88,13 +91,29 @@ def host_rows(q: QTensor, local_N: jax.Array) -> jax.Array:
 def whole_host_stack(q: QTensor) -> jax.Array:
     """The whole pinned-host stack moved to the device as ONE transfer (a layer-major group whose union may need
     every host expert). Unlike `host_rows`' per-expert dynamic slices, which read host memory from a kernel on the
-    compute stream, a whole-array move is a copy XLA can make asynchronous and overlap with compute
-    (results/bench_prefill_stack_v4_8L_h200.jsonl measures whether it does). JDS41_WHOLE_STACK=0 keeps the
-    per-expert moves, for that A/B."""
+    compute stream, XLA makes a whole-array move an asynchronous copy (copy-start / copy-done) that overlaps compute:
+    on the H200 a 2 GiB move hid 97% of itself behind independent matmuls (results/probe_host_copy_h200.jsonl), and
+    the all-host V4-Flash 8-layer prefill of 4,096 tokens went from 2.97 s to 2.40 s
+    (results/bench_prefill_stack_v4_8L_h200.jsonl). The price: the copies depend on no data, so XLA starts them
+    early and holds them; that run's device peak was 19.4 GB above the per-expert moves' (about every layer's
+    stack at once). `whole_stack_fits` bounds it. JDS41_WHOLE_STACK=0 keeps the per-expert moves (the A/B)."""
     return jax.device_put(q.data, jax.memory.Space.Device)
 
 
 WHOLE_STACK = os.environ.get("JDS41_WHOLE_STACK", "1") != "0"
+WHOLE_STACK_SHARE = 0.5  # of the device memory still free once the tiers are placed
+
+
+def whole_stack_fits(host_bytes: int, memory_stats: dict | None) -> bool:
+    """Whether every layer's pinned-host stacks (`host_bytes` in all) may sit on the device at once, as XLA may
+    schedule the whole-stack moves: within WHOLE_STACK_SHARE of the free device memory (`memory_stats` of the
+    device, after placement). A backend that reports no memory (CPU: its "host" memory is the device's) fits."""
+    if not WHOLE_STACK:
+        return False
+    if not memory_stats or "bytes_limit" not in memory_stats:
+        return True
+    free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0)
+    return host_bytes <= WHOLE_STACK_SHARE * free
 
 
 def flagged_rows(flag_N: jax.Array, sizes, take, zeros, most: int | None = None) -> tuple[jax.Array, ...]:
@@ -313,6 +332,8 @@ def place_experts(params: dict, stores, layout, host_fetch: str = "selected", le
     stores of a placement (jds41.tiers.stores.build_stores): tier-0 and tier-1 stacks, the tier table, and the
     SSD store as the host source of layers that have experts on the SSD."""
     tier_LE, local_LE = stores.tier_table(layout)
+    device = next(iter(stores.device.sharding.device_set))
+    whole = whole_stack_fits(stores.host.nbytes, device.memory_stats())
     blocks = []
     for layer, block in enumerate(params["blocks"]):
         if layer in layout.layers:
@@ -324,9 +345,10 @@ def place_experts(params: dict, stores, layout, host_fetch: str = "selected", le
                 lean_margin=jnp.float32(lean_margin),
                 layer=layer, source=stores.ssd if on_ssd else None, has_host=bool((tier_LE[layer] == 1).any()),
                 host_fetch=host_fetch, n_ssd=int((tier_LE[layer] == 2).sum()),
-                has_hbm=bool((tier_LE[layer] == 0).any()))
+                has_hbm=bool((tier_LE[layer] == 0).any()), host_whole=whole)
         blocks.append(block)
     return {**params, "blocks": blocks}
+
 
 
 def with_lean_margin(params: dict, margin: float) -> dict:
