@@ -21,24 +21,14 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import _commit, _machine  # noqa: E402  (sibling script)
-
-
-def _time(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
+from bench_decode import _commit, _machine  # noqa: E402  (sibling scripts)
+from bench_kernels import _seconds  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -66,12 +56,12 @@ def main(argv=None) -> dict:
     def chain(x, count):
         return jnp.sum(matmuls(x, count))
 
-    move_s = _time(jax.jit(move), stack, reps=a.reps)
-    one_s = _time(jax.jit(lambda x: chain(x, 1)), m, reps=a.reps)
+    move_s = _seconds(jax.jit(move), stack, repeats=a.reps)
+    one_s = _seconds(jax.jit(lambda x: chain(x, 1)), m, repeats=a.reps)
     count = a.matmuls or max(1, round(move_s / max(one_s, 1e-6)))
-    compute_s = _time(jax.jit(lambda x: chain(x, count)), m, reps=a.reps)
+    compute_s = _seconds(jax.jit(lambda x: chain(x, count)), m, repeats=a.reps)
     both = jax.jit(lambda s, x: (move(s), chain(x, count)))
-    both_s = _time(both, stack, m, reps=a.reps)
+    both_s = _seconds(both, stack, m, repeats=a.reps)
     hlo = both.lower(stack, m).compile().as_text()
 
     def tied(s, x):  # the move held back behind the first half of the compute, free to overlap the second half
@@ -81,7 +71,7 @@ def main(argv=None) -> dict:
 
     tied_jit = jax.jit(tied)
     try:
-        tied_s = _time(tied_jit, stack, m, reps=a.reps)
+        tied_s = _seconds(tied_jit, stack, m, repeats=a.reps)
         tied_hlo = tied_jit.lower(stack, m).compile().as_text()
         half = compute_s / 2
         tied_row = {"tied_s": round(tied_s, 5), "tied_if_held_and_overlapped_s": round(half + max(move_s, half), 5),
