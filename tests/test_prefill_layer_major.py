@@ -7,8 +7,6 @@ union), and through the engine's piece plan (full chunks, power-of-two pieces, t
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +16,7 @@ from jds41 import model as M
 from jds41 import prefill as PF
 from jds41.checkpoints import open_model
 from jds41.engine import Engine
-from jds41.tiers.experts import place_experts, whole_stack_fits
+from jds41.tiers.experts import place_experts, whole_stack_fits, with_tiered_fields
 from jds41.tiers.ssd import ExpertReader
 from jds41.tiers.stores import ExpertLayout, build_stores
 from jds41.weights import load_params
@@ -83,12 +81,6 @@ def _mixed_placement(cfg, seed: int = 3) -> dict:
     return out
 
 
-def _with_host_whole(params: dict, whole: bool) -> dict:
-    blocks = [{**b, "routed": dataclasses.replace(b["routed"], host_whole=whole)} if "routed" in b else b
-              for b in params["blocks"]]
-    return {**params, "blocks": blocks}
-
-
 def test_whole_stack_moves_only_within_the_device_memory_bound():
     free = {"bytes_limit": 100, "bytes_in_use": 40}  # 60 free: whole-stack moves may hold up to 30
     assert whole_stack_fits(30, free)
@@ -114,7 +106,7 @@ def test_layer_major_with_tiered_experts_bitwise_and_moves_less(synthetic_model)
         assert all(b["routed"].host_whole for b in placed["blocks"] if "routed" in b)
         routing = _assert_same(engine.with_params(placed), tokens, 8)[1]  # (placement alone changes nothing:
         #                                                                   test_tiers_invariance)
-        _assert_same(engine.with_params(_with_host_whole(placed, False)), tokens, 8)
+        _assert_same(engine.with_params(with_tiered_fields(placed, host_whole=False)), tokens, 8)
         assert stores.ssd.stats.to_dict()["lookups"] > 0  # the SSD tier was really read
 
     class Tiers:  # what moved_bytes reads of a TierRuntime

@@ -350,10 +350,13 @@ def place_experts(params: dict, stores, layout, host_fetch: str = "selected", le
     return {**params, "blocks": blocks}
 
 
-
-def with_lean_margin(params: dict, margin: float) -> dict:
-    """`params` with every tiered layer's lean margin set to `margin` (same shapes: no recompilation)."""
-    value = jnp.float32(margin)
-    blocks = [{**b, "routed": dataclasses.replace(b["routed"], lean_margin=value)} if "routed" in b else b
+def with_tiered_fields(params: dict, **fields) -> dict:
+    """`params` with `fields` of every tiered layer (TieredLayer) replaced."""
+    blocks = [{**b, "routed": dataclasses.replace(b["routed"], **fields)} if "routed" in b else b
               for b in params["blocks"]]
     return {**params, "blocks": blocks}
+
+
+def with_lean_margin(params: dict, margin: float) -> dict:
+    """`params` with every tiered layer's lean margin set to `margin` (a leaf, same shapes: no recompilation)."""
+    return with_tiered_fields(params, lean_margin=jnp.float32(margin))
