@@ -7,11 +7,12 @@ Three jitted programs on a pinned-host uint8 stack of --gib GiB and a device f32
 - compute: a chain of matmuls on the device matrix sized to take about as long as the move;
 - both: the two in one program with no data between them.
 If XLA runs the move as an asynchronous copy beside the compute, `both` takes about max(move, compute); if the copy
-is a kernel on the compute stream, about move + compute. The optimized HLO is searched for copy-start / copy-done
-(async copies) and dynamic-slice fusions reading host memory. A fourth program, `tied`, puts the host array and
-the first half of the compute's result through one optimization barrier before the move: if the move then waits
-for that half and overlaps the other (tied about half + max(move, half)) and stays an async copy, a move can be
-held back to a chosen point, which is what a bounded look-ahead of host stacks needs. One JSON line.
+is a kernel on the compute stream, about move + compute. The optimized HLO's text is searched for copy-start /
+copy-done (async copies) and dynamic-slice (the counts are mentions: an instruction's name and its uses). A fourth
+program, `tied`, puts the host array and the first half of the compute's result through one optimization barrier
+before the move: if the move then waits for that half and overlaps the other (tied about half + max(move, half))
+and stays an async copy, a move can be held back to a chosen point, which is what a bounded look-ahead of host
+stacks needs. One JSON line.
 Meaningful on the GPU only (on the CPU the "pinned host" array is ordinary memory).
 """
 
