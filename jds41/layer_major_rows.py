@@ -168,8 +168,10 @@ def _layers_and_head(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: ja
     produced: dict = {}
     trace = {"experts": [], "swaps": [], "predicted_next": []}
     features, small = {}, []
+    blocks = list(params["blocks"])
     for lp in plan.layers:
-        w = params["blocks"][lp.index]
+        PF.hold_host_moves(blocks, lp, x)
+        w = blocks[lp.index]
         xs = {"x": x, "pre_prev": pre_prev, "pos": pos, "token": tokens_NW}
         if lp.engram_slot >= 0:
             xs["engram"] = engram_rows_NW[:, :, lp.engram_slot]

@@ -60,12 +60,14 @@ from jds41.layers.router import route
 from jds41.layers.rowwise import island, map_rows
 from jds41.quant import QTensor
 from jds41.tiers.experts import (
+    HOST_STACK_AHEAD,
     STACKS,
     TieredLayer,
     host_rows,
     host_selected_rows,
     prefetch_experts,
     ssd_rows,
+    tie_host_stacks,
     whole_host_stack,
 )
 
@@ -146,6 +148,17 @@ def union_stack(tl: TieredLayer, union_U: jax.Array, valid_U: jax.Array) -> dict
         ref = tl.hbm[n]
         stacks[n] = ref.with_rows(rows, (U, *ref.shape[1:]))
     return stacks
+
+
+def hold_host_moves(blocks: list, lp: M.LayerPlan, anchor) -> None:
+    """With HOST_STACK_AHEAD = N (tiers/experts.py), tie layer lp + N's whole-stack host moves to `anchor` (layer
+    lp's input), in place in `blocks`: they start once layer lp has, not whenever XLA would (which was at once)."""
+    if HOST_STACK_AHEAD is None:
+        return
+    later = lp.index + HOST_STACK_AHEAD
+    tl = blocks[later].get("routed") if later < len(blocks) else None
+    if tl is not None and tl.has_host and tl.host_whole:
+        blocks[later] = {**blocks[later], "routed": tie_host_stacks(tl, anchor)}
 
 
 def routed_stacks(tl: TieredLayer, idx_TK: jax.Array) -> tuple[tuple[QTensor, ...], jax.Array]:
@@ -296,8 +309,10 @@ def layer_major(plan: M.ModelPlan, params: dict, state: dict, tokens: jax.Array,
     produced: dict = {}  # per-token values that later layers read (index top-k, candidate blocks)
     trace = {"experts": [], "swaps": [], "predicted_next": []}
     features, states = {}, []
+    blocks = list(params["blocks"])
     for lp in plan.layers:
-        w = params["blocks"][lp.index]
+        hold_host_moves(blocks, lp, x)
+        w = blocks[lp.index]
         xs = {"x": x, "pre_prev": pre_prev, "pos": pos_T, "token": tokens}
         if lp.engram_slot >= 0:
             xs["engram"] = engram_rows[:, lp.engram_slot]

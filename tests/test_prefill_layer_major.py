@@ -7,6 +7,8 @@ union), and through the engine's piece plan (full chunks, power-of-two pieces, t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ from jds41 import model as M
 from jds41 import prefill as PF
 from jds41.checkpoints import open_model
 from jds41.engine import Engine
+from jds41.tiers import experts as TE
 from jds41.tiers.experts import place_experts, whole_stack_fits, with_tiered_fields
 from jds41.tiers.ssd import ExpertReader
 from jds41.tiers.stores import ExpertLayout, build_stores
@@ -88,6 +91,17 @@ def test_whole_stack_moves_only_within_the_device_memory_bound():
     assert whole_stack_fits(10**12, None)  # a backend with no device memory count (CPU)
 
 
+def test_held_host_bytes_counts_every_layer_or_the_layers_held_at_once(monkeypatch):
+    sized = SimpleNamespace  # what held_host_bytes reads of a QTensor: nbytes
+    stores = SimpleNamespace(host=SimpleNamespace(stacks={layer: {"gate": sized(nbytes=layer + 1),
+                                                                  "down": sized(nbytes=10 * (layer + 1))}
+                                                          for layer in range(4)}))
+    monkeypatch.setattr(TE, "HOST_STACK_AHEAD", None)
+    assert TE.held_host_bytes(stores, range(4)) == 11 * (1 + 2 + 3 + 4)
+    monkeypatch.setattr(TE, "HOST_STACK_AHEAD", 1)  # the 3 largest layers
+    assert TE.held_host_bytes(stores, range(4)) == 11 * (4 + 3 + 2)
+
+
 @pytest.mark.slow
 def test_layer_major_with_tiered_experts_bitwise_and_moves_less(synthetic_model):
     """HBM / pinned-host / SSD placement, a slot cache of 2 (smaller than a group's SSD union): identical to the
@@ -107,6 +121,15 @@ def test_layer_major_with_tiered_experts_bitwise_and_moves_less(synthetic_model)
         routing = _assert_same(engine.with_params(placed), tokens, 8)[1]  # (placement alone changes nothing:
         #                                                                   test_tiers_invariance)
         _assert_same(engine.with_params(with_tiered_fields(placed, host_whole=False)), tokens, 8)
+        # and each layer's whole-stack move held back until the layer before it starts (JDS41_HOST_STACK_AHEAD=1)
+        tied = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(PF, "HOST_STACK_AHEAD", 1)
+            mp.setattr(PF, "tie_host_stacks", lambda tl, at: tied.append(tl.layer) or TE.tie_host_stacks(tl, at))
+            PF.prefill_layer_major.clear_cache()
+            _assert_same(engine.with_params(placed), tokens, 8)
+        PF.prefill_layer_major.clear_cache()
+        assert tied == list(range(1, engine.cfg.n_layers))  # every layer but the first, once (one trace)
         assert stores.ssd.stats.to_dict()["lookups"] > 0  # the SSD tier was really read
 
     class Tiers:  # what moved_bytes reads of a TierRuntime

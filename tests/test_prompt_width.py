@@ -104,3 +104,29 @@ def test_tiered_experts_resumed_prefixes_and_drafting_keep_the_bits(synthetic_mo
     spec = SpeculativeSession(resident, DSparkDrafter.open(resident, "self"))
     np.testing.assert_array_equal(spec.feed(tokens, all_logits=True), want)
     assert list(SpeculativeSession(resident, DSparkDrafter.open(resident, "self")).generate(tokens, 6)) == want_gen
+
+
+@pytest.mark.slow
+def test_tiered_wide_pass_with_host_moves_held_back_keeps_the_bits(synthetic_model, tmp_path, monkeypatch):
+    """JDS41_HOST_STACK_AHEAD=1 (each layer's whole-stack host move tied to the start of the layer before it): the
+    same bits as the resident wide pass."""
+    from jds41 import layer_major_rows as LMR
+    from jds41 import prefill as PF
+    from jds41.tiers import experts as TE
+
+    path = str(synthetic_model("deepseek41", "tiny", "q8"))
+    profile = tmp_path / "split3.json"
+    profile.write_text(json.dumps(SPLIT))
+    tokens = _tokens(70)
+    want = Engine.open(path, max_ctx=128, prefill_chunk=CHUNK, prompt_width=R).session().feed(tokens, all_logits=True)
+    tied = []
+    monkeypatch.setattr(PF, "HOST_STACK_AHEAD", 1)
+    monkeypatch.setattr(PF, "tie_host_stacks", lambda tl, at: tied.append(tl.layer) or TE.tie_host_stacks(tl, at))
+    for fn in (LMR.prefill_layer_major_rows, LMR.prefill_wide_rest):
+        fn.clear_cache()
+    tiered = Engine.open(path, max_ctx=128, prefill_chunk=CHUNK, prompt_width=R, profile=str(profile))
+    got = tiered.session().feed(tokens, all_logits=True)
+    for fn in (LMR.prefill_layer_major_rows, LMR.prefill_wide_rest):
+        fn.clear_cache()
+    assert tied  # the held-back moves were traced
+    np.testing.assert_array_equal(got, want)

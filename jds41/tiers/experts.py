@@ -102,18 +102,40 @@ def whole_host_stack(q: QTensor) -> jax.Array:
 
 WHOLE_STACK = os.environ.get("JDS41_WHOLE_STACK", "1") != "0"
 WHOLE_STACK_SHARE = 0.5  # of the device memory still free once the tiers are placed
+# JDS41_HOST_STACK_AHEAD=N (N >= 1): layer l's whole-stack move may start only once layer l - N has started
+# (`tie_host_stacks`), so about N + 2 layers' stacks are on the device at once instead of every layer's, and the
+# memory bound counts that many. Unset: XLA schedules the moves freely. Off until the H200 shows that a move held
+# back by a barrier on its host array stays an asynchronous copy (experiments/probe_host_copy.py, `tied`).
+HOST_STACK_AHEAD = max(int(os.environ.get("JDS41_HOST_STACK_AHEAD", "0")), 0) or None
 
 
 def whole_stack_fits(host_bytes: int, memory_stats: dict | None) -> bool:
-    """Whether every layer's pinned-host stacks (`host_bytes` in all) may sit on the device at once, as XLA may
-    schedule the whole-stack moves: within WHOLE_STACK_SHARE of the free device memory (`memory_stats` of the
-    device, after placement). A backend that reports no memory (CPU: its "host" memory is the device's) fits."""
+    """Whether `host_bytes` of pinned-host stacks (every layer's, or with HOST_STACK_AHEAD the most that are held
+    at once) may sit on the device together, as XLA may schedule the whole-stack moves: within WHOLE_STACK_SHARE
+    of the free device memory (`memory_stats` of the device, after placement). A backend that reports no memory
+    (CPU: its "host" memory is the device's) fits."""
     if not WHOLE_STACK:
         return False
     if not memory_stats or "bytes_limit" not in memory_stats:
         return True
     free = memory_stats["bytes_limit"] - memory_stats.get("bytes_in_use", 0)
     return host_bytes <= WHOLE_STACK_SHARE * free
+
+
+def held_host_bytes(stores, layers) -> int:
+    """Host stack bytes the whole-stack moves may hold on the device at once: every layer's, or with
+    HOST_STACK_AHEAD = N the N + 2 largest layers' (the layer computing, the moves in flight, one spare)."""
+    per_layer = sorted((sum(q.nbytes for q in stores.host.stacks[layer].values()) for layer in layers),
+                       reverse=True)
+    return sum(per_layer if HOST_STACK_AHEAD is None else per_layer[:HOST_STACK_AHEAD + 2])
+
+
+def tie_host_stacks(tl: TieredLayer, anchor) -> TieredLayer:
+    """`tl` with its host stacks' arrays passed through one optimization barrier together with `anchor`: a move
+    of them (whole_host_stack) cannot start before `anchor` is computed. Values unchanged."""
+    names = list(tl.host)
+    data, _ = island(([tl.host[n].data for n in names], anchor))
+    return dataclasses.replace(tl, host={n: dataclasses.replace(tl.host[n], data=d) for n, d in zip(names, data)})
 
 
 def flagged_rows(flag_N: jax.Array, sizes, take, zeros, most: int | None = None) -> tuple[jax.Array, ...]:
@@ -333,7 +355,7 @@ def place_experts(params: dict, stores, layout, host_fetch: str = "selected", le
     SSD store as the host source of layers that have experts on the SSD."""
     tier_LE, local_LE = stores.tier_table(layout)
     device = next(iter(stores.device.sharding.device_set))
-    whole = whole_stack_fits(stores.host.nbytes, device.memory_stats())
+    whole = whole_stack_fits(held_host_bytes(stores, layout.layers), device.memory_stats())
     blocks = []
     for layer, block in enumerate(params["blocks"]):
         if layer in layout.layers:
