@@ -47,6 +47,7 @@ from bench_decode import _commit, _machine, planar_weights_on, triton_kernels_on
 from jds41 import prefill as PF  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
 from jds41.prompt_pieces import prompt_pieces  # noqa: E402
+from jds41.tiers.experts import HOST_STACK_AHEAD  # noqa: E402
 from jds41.tiers.stores import ExpertLayout  # noqa: E402
 
 BANDWIDTH = {"hbm": 4.4e12, "host": 48e9, "ssd": 1.9e9}  # bytes/s, DESIGN.md §7
@@ -187,7 +188,8 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
             "of_roofline": round(tok_s / roof["tok_s_overlapped"], 4) if roof["tok_s_overlapped"] else None,
             "vs_llamacpp_8l_host_experts": round(tok_s / LLAMACPP_8L["host_experts_tok_s"], 3),
             "tier_stats": tiers.stats() if tiers is not None else None, "device_peak_bytes": _device_peak_bytes(),
-            "whole_host_stack": any(b["routed"].host_whole for b in engine.params["blocks"] if "routed" in b)}
+            "whole_host_stack": any(b["routed"].host_whole for b in engine.params["blocks"] if "routed" in b),
+            "host_stack_ahead": HOST_STACK_AHEAD}
 
 
 def _device_peak_bytes() -> int | None:
