@@ -118,16 +118,20 @@ def test_layer_major_with_tiered_experts_bitwise_and_moves_less(synthetic_model)
         # placement chose here: no device memory bound on the CPU) and, as a placement over the device memory
         # bound gets, one device_put per expert.
         assert all(b["routed"].host_whole for b in placed["blocks"] if "routed" in b)
-        routing = _assert_same(engine.with_params(placed), tokens, 8)[1]  # (placement alone changes nothing:
-        #                                                                   test_tiers_invariance)
-        _assert_same(engine.with_params(with_tiered_fields(placed, host_whole=False)), tokens, 8)
-        # and each layer's whole-stack move held back until the layer before it starts (JDS41_HOST_STACK_AHEAD=1)
+        # Each layer's whole-stack move held back until the layer before it starts (HOST_STACK_AHEAD, default 1)
         tied = []
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(PF, "HOST_STACK_AHEAD", 1)
             mp.setattr(PF, "tie_host_stacks", lambda tl, at: tied.append(tl.layer) or TE.tie_host_stacks(tl, at))
             PF.prefill_layer_major.clear_cache()
+            routing = _assert_same(engine.with_params(placed), tokens, 8)[1]  # (placement alone changes
+            #                                                                   nothing: test_tiers_invariance)
+        # and the moves scheduled freely (JDS41_HOST_STACK_AHEAD=0), whole or one device_put per expert
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(PF, "HOST_STACK_AHEAD", None)
+            PF.prefill_layer_major.clear_cache()
             _assert_same(engine.with_params(placed), tokens, 8)
+            _assert_same(engine.with_params(with_tiered_fields(placed, host_whole=False)), tokens, 8)
         PF.prefill_layer_major.clear_cache()
         assert tied == list(range(1, engine.cfg.n_layers))  # every layer but the first, once (one trace)
         assert stores.ssd.stats.to_dict()["lookups"] > 0  # the SSD tier was really read

@@ -102,11 +102,13 @@ def whole_host_stack(q: QTensor) -> jax.Array:
 
 WHOLE_STACK = os.environ.get("JDS41_WHOLE_STACK", "1") != "0"
 WHOLE_STACK_SHARE = 0.5  # of the device memory still free once the tiers are placed
-# JDS41_HOST_STACK_AHEAD=N (N >= 1): layer l's whole-stack move may start only once layer l - N has started
-# (`tie_host_stacks`), so about N + 2 layers' stacks are on the device at once instead of every layer's, and the
-# memory bound counts that many. Unset: XLA schedules the moves freely. Off until the H200 shows that a move held
-# back by a barrier on its host array stays an asynchronous copy (experiments/probe_host_copy.py, `tied`).
-HOST_STACK_AHEAD = max(int(os.environ.get("JDS41_HOST_STACK_AHEAD", "0")), 0) or None
+# JDS41_HOST_STACK_AHEAD=N (default 1; 0 turns it off): layer l's whole-stack move may start only once layer
+# l - N has started (`tie_host_stacks`), so about N + 2 layers' stacks are on the device at once instead of every
+# layer's, and the memory bound counts that many. Measured on the H200 (all-host V4-Flash 8 layers, 4K prompt,
+# results/bench_prefill_ahead_v4_8L_h200.jsonl): N = 1 took 2.21 s at a 21.0 GB device peak, where the moves
+# scheduled freely took 2.40 s at 36.9 GB; the barrier keeps each move an asynchronous copy (probe_host_copy's
+# `tied` program: copy-start in the HLO, results/probe_host_copy_h200.jsonl).
+HOST_STACK_AHEAD = max(int(os.environ.get("JDS41_HOST_STACK_AHEAD", "1")), 0) or None
 
 
 def whole_stack_fits(host_bytes: int, memory_stats: dict | None) -> bool:
