@@ -16,8 +16,9 @@ through the engine's row source (memory-mapped here; the tiers give SSD and host
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -186,10 +187,36 @@ class Session:
         self._looked_up = False
 
     # ---- host-side inputs ----------------------------------------------------------------------------------
-    def _engram_rows(self, new_tokens: Sequence[int]) -> jax.Array | None:
-        """Rows of every Engram layer for each new token, [T, n_layers, n_buckets, row_bytes] (uint8)."""
-        rows = self.engine.engram_rows(new_tokens, self.tokens)
+    def _engram_rows(self, new_tokens: Sequence[int], history: Sequence[int] | None = None) -> jax.Array | None:
+        """Rows of every Engram layer for each new token after `history` (default: the session's tokens),
+        [T, n_layers, n_buckets, row_bytes] (uint8)."""
+        rows = self.engine.engram_rows(new_tokens, self.tokens if history is None else history)
         return None if rows is None else jax.device_put(rows)  # jnp.asarray compiles a copy per shape
+
+    def _pieces(self, tokens: list[int]) -> Iterator[tuple[str, list[int], jax.Array | None, Callable[[], None]]]:
+        """(how, piece, Engram rows, read_ahead) for each prompt piece of `tokens` (jds41/prompt_pieces.py).
+
+        Engram rows depend on token ids alone, so the caller calls `read_ahead()` right after dispatching the piece:
+        the next piece's rows are then read on the host while the device computes this one, instead of after this
+        piece's outputs come back (a V4.1 4K piece under the h200 profile reads 196,608 rows from the SSD). Without
+        the call the rows are read when the next piece is asked for. The same rows either way."""
+        eng = self.engine
+        pieces, at = [], 0
+        for how, n in prompt_pieces(len(tokens), eng.plan.decode_width, eng.prefill_chunk, eng.tiers is not None,
+                                    eng.plan.prompt_width):
+            pieces.append((how, at, n))
+            at += n
+        before = list(self.tokens)
+        ahead: dict[int, jax.Array | None] = {}
+
+        def read(k: int) -> None:
+            if k < len(pieces) and k not in ahead:
+                _, start, n = pieces[k]
+                ahead[k] = self._engram_rows(tokens[start:start + n], before + tokens[:start])
+
+        for k, (how, start, n) in enumerate(pieces):
+            read(k)
+            yield how, tokens[start:start + n], ahead.pop(k), functools.partial(read, k + 1)
 
     def _check(self, tokens: Sequence[int]) -> None:
         V = self.engine.vocab_size
@@ -262,12 +289,11 @@ class Session:
         trace = self.trace_routing
         if eng.tiers is not None:
             eng.tiers.prefetch_tokens(tokens)  # token ids are known now: start the hash layers' SSD reads
-        for how, n in prompt_pieces(len(tokens), eng.plan.decode_width, eng.prefill_chunk, eng.tiers is not None,
-                                    eng.plan.prompt_width):
-            piece = tokens[i:i + n]
-            logits, self.state, *routing = run_piece(eng.plan, eng.params, self.state, how, piece,
-                                                     self._engram_rows(piece), trace, (), all_logits,
-                                                     eng.prefill_chunk)
+        for how, piece, rows, read_ahead in self._pieces(tokens):
+            n = len(piece)
+            logits, self.state, *routing = run_piece(eng.plan, eng.params, self.state, how, piece, rows, trace, (),
+                                                     all_logits, eng.prefill_chunk)
+            read_ahead()  # before anything below waits for this piece's outputs
             self._record(routing)
             if all_logits or i + n == len(tokens):
                 out.append(logits if all_logits else logits[-1:])

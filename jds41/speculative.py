@@ -49,7 +49,7 @@ from jds41 import prefill as PF
 from jds41.block_step import SMALL_LEAVES, step_rows
 from jds41.engine import Engine, RequestError, SamplingParams, Session
 from jds41.errors import Jds41Error
-from jds41.prompt_pieces import prompt_pieces, run_piece
+from jds41.prompt_pieces import run_piece
 
 
 # ---- target side: verify and rollback ---------------------------------------------------------------------------
@@ -318,20 +318,17 @@ class SpeculativeSession(Session):
             raise RequestError("no tokens to feed")
         self._check(tokens)
         eng, trace = self.engine, self.engine.tiers is not None
-        out, i = [], 0
+        out = []
         if trace:
             eng.tiers.prefetch_tokens(tokens)
-        for how, n in prompt_pieces(len(tokens), self.plan.decode_width, eng.prefill_chunk, trace,
-                                    self.plan.prompt_width):
-            chunk = tokens[i:i + n]
-            logits, self.state, *extra = run_piece(self.plan, eng.params, self.state, how, chunk,
-                                                   self._engram_rows(chunk), trace, self.feature_layers, all_logits,
-                                                   eng.prefill_chunk)
+        for how, chunk, rows, read_ahead in self._pieces(tokens):
+            logits, self.state, *extra = run_piece(self.plan, eng.params, self.state, how, chunk, rows, trace,
+                                                   self.feature_layers, all_logits, eng.prefill_chunk)
+            read_ahead()  # the next piece's Engram rows, while the device runs this one (Session._pieces)
             self._record(extra[:1] if trace else [])
-            self._observe(extra, len(self.tokens), n)
+            self._observe(extra, len(self.tokens), len(chunk))
             out.append(logits if all_logits else logits[-1:])
             self.tokens += chunk
-            i += n
         # joined on the host, as Session.feed does: a jitted concatenate compiles once per count of pieces
         result = np.concatenate([np.asarray(o, np.float32) for o in out])
         return result if all_logits else result[-1]
