@@ -5,6 +5,7 @@ on where the tables live."""
 from __future__ import annotations
 
 import errno
+import os
 
 import numpy as np
 import pytest
@@ -42,6 +43,58 @@ def test_ssd_row_read_error_names_the_table(model):
     src = SsdRowSource(model, model.config.engram, read_fn=eio)
     with pytest.raises(ExpertReadError, match="Engram table 0"):
         src.read_rows(0, np.array([1, 2]))
+    src.close()
+
+
+def test_rows_whose_pages_touch_share_reads_cut_at_the_span_limit(model, monkeypatch):
+    """Adjacent rows merge into one read, no read is longer than SPAN_BYTES (here 3 pages), and every row still
+    gets its own bytes; reads that come back short (at most one page per call) are finished by the careful path."""
+    from jds41.tiers import engram_store as ES
+    from jds41.tiers.ssd import ALIGN, _pread
+
+    e = model.config.engram
+    want = MmapRowSource.from_model(model, e)
+    monkeypatch.setattr(ES, "SPAN_BYTES", 3 * ALIGN)
+    sizes = []
+
+    def short(fd, buf, offset):  # one page at most per call, as a slow device may answer
+        sizes.append(len(buf))
+        return _pread(fd, buf[:ALIGN], offset)
+
+    for read_fn in (None, short):
+        src = SsdRowSource(model, e, cache_rows=0, read_fn=read_fn)
+        dense = np.arange(e.rows[0] - 100, e.rows[0])  # the table's last 100 rows, its end included
+        sparse = np.arange(0, e.rows[0] - 100, 47)
+        ids = np.concatenate([dense, sparse])[np.random.default_rng(3).permutation(len(dense) + len(sparse))]
+        spans = src._spans(0, np.unique(ids))
+        assert len(spans) < len(np.unique(ids))  # touching rows merged
+        assert max(n for *_, n in spans) <= 3 * ALIGN and all(n % ALIGN == 0 for *_, n in spans)
+        assert [a for a, *_ in spans] == sorted({a for a, *_ in spans}) and spans[-1][1] == len(np.unique(ids))
+        np.testing.assert_array_equal(src.read_rows(0, ids), want.read_rows(0, ids))
+        assert src.files.stats.chunks >= len(spans)
+        src.close()
+    assert max(sizes) > ALIGN  # the short reads were asked for whole spans
+
+
+def test_a_failed_read_names_the_row_it_was_for(model):
+    e = model.config.engram
+    first = SsdRowSource(model, e)
+    path, base, _ = first.tables[0]
+    first.close()
+    bad_row = e.rows[0] - 1  # the read holding the table's last row fails; the one of rows 1 and 2 reads fine
+    bad = base + bad_row * e.row_bytes
+    ids = np.array([1, 2, bad_row])
+
+    def eio_at(fd, buf, offset):
+        if offset <= bad < offset + len(buf):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return os.preadv(fd, [buf], offset)
+
+    src = SsdRowSource(model, e, read_fn=eio_at)
+    assert [a for a, *_ in src._spans(0, ids)] == [0, 2]  # two reads: rows 1-2, then the last row
+    with pytest.raises(ExpertReadError, match="Engram table 0") as err:
+        src.read_rows(0, ids)
+    assert err.value.expert == bad_row
     src.close()
 
 
