@@ -20,6 +20,8 @@ it to --out, default $OUT/bench_prefill.jsonl when $OUT is set):
   the grouped products, which read an expert once per tile of R pairs);
 - flops per token (2 per weight a token multiplies: dense matrices and its K experts) and the compute bound at the
   H200's 67 TFLOP/s of f32 (the wide pass multiplies in f32 at Precision.HIGHEST), reported beside the roofline;
+- engram_read (V4.1): host seconds of the timed feed's Engram row reads (one per piece; the first runs before any
+  piece, the others while the piece before runs) and the rows the source read (the SSD source's own counter);
 - roofline (DESIGN.md §8): tok/s no faster than 1 / max(bytes / bandwidth) over HBM 4.4 TB/s, PCIe 48 GB/s and
   SSD 1.9 GB/s (DESIGN.md §7), no slower than 1 / sum; and measured / roofline.
 The agent turn (--turn PREFIX,NEW): a PREFIX-token conversation is read and snapshotted (prompt end); then
@@ -149,6 +151,40 @@ def _moved(tiers, how: str, width: int, experts_TLK: np.ndarray) -> dict:
     return m if group else {**m, "host": m["host_token_major"], "ssd": m["ssd_token_major"]}
 
 
+class EngramReads:
+    """Host time of the Engram row reads of one feed (`engine.engram_rows`, wrapped while in use): the first
+    piece's read is always before any piece runs; later ones overlap the piece before (Session._pieces)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.seconds, self.calls, self.first_s = engine, 0.0, 0, None
+        source = engine.engram[1] if engine.engram is not None else None
+        self.source, self._rows0 = source, getattr(source, "rows_read", 0)
+
+    def __enter__(self):
+        read = self.engine.engram_rows
+
+        def timed(new_tokens, history):
+            t0 = time.perf_counter()
+            rows = read(new_tokens, history)
+            dt = time.perf_counter() - t0
+            self.seconds, self.calls = self.seconds + dt, self.calls + 1
+            self.first_s = dt if self.first_s is None else self.first_s
+            return rows
+
+        self.engine.engram_rows = timed
+        return self
+
+    def __exit__(self, *exc):
+        del self.engine.engram_rows  # the instance attribute: the method shows through again
+
+    def report(self) -> dict | None:
+        if self.source is None:
+            return None
+        return {"source": type(self.source).__name__, "calls": self.calls, "read_s": round(self.seconds, 4),
+                "first_read_s": round(self.first_s or 0.0, 4),
+                "rows_read": getattr(self.source, "rows_read", 0) - self._rows0}
+
+
 def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     width = engine.plan.decode_width
@@ -161,9 +197,10 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
     traces = _traced(session)
     session.trace_routing = _traces(engine)
     prompt = rng.integers(8, engine.vocab_size, n).tolist()
-    t0 = time.perf_counter()
-    session.feed(prompt)
-    seconds = time.perf_counter() - t0
+    with EngramReads(engine) as engram:
+        t0 = time.perf_counter()
+        session.feed(prompt)
+        seconds = time.perf_counter() - t0
     moved = {"host": 0, "ssd": 0, "host_token_major": 0, "ssd_token_major": 0}
     if tiers is not None:
         for (how, _), experts in zip(cut, traces, strict=True):  # one trace per piece, in order
@@ -188,6 +225,7 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
             "of_roofline": round(tok_s / roof["tok_s_overlapped"], 4) if roof["tok_s_overlapped"] else None,
             "vs_llamacpp_8l_host_experts": round(tok_s / LLAMACPP_8L["host_experts_tok_s"], 3),
             "tier_stats": tiers.stats() if tiers is not None else None, "device_peak_bytes": _device_peak_bytes(),
+            "engram_read": engram.report(),
             "whole_host_stack": any(b["routed"].host_whole for b in engine.params["blocks"] if "routed" in b),
             "host_stack_ahead": HOST_STACK_AHEAD}
 

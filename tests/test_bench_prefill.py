@@ -14,6 +14,8 @@ from serve_harness import REPO
 sys.path.insert(0, str(REPO / "experiments"))
 import bench_prefill as B  # noqa: E402
 
+from jds41.prompt_pieces import prompt_pieces  # noqa: E402
+
 MODEL = str(REPO / "checkpoints" / "tiny-deepseek41-q8.gguf")
 
 
@@ -36,6 +38,9 @@ def test_bench_all_hbm_lines_and_agent_turn(tmp_path, capsys):
     assert prefill["bytes_per_token"]["host"] == prefill["bytes_per_token"]["ssd"] == 0  # all resident
     assert prefill["bytes_per_token"]["hbm"] > 0 and prefill["tok_s"] > 0
     _check_roofline(prefill)
+    engram = prefill["engram_read"]  # one host read per piece, the first before any piece runs
+    assert engram["calls"] == len(prompt_pieces(40, 1, 16, False, 0)) and engram["source"] == "MmapRowSource"
+    assert 0 < engram["first_read_s"] <= engram["read_s"] < prefill["seconds"]
     assert turn["kind"] == "agent_turn" and turn["cached_tokens"] == 24 and turn["prefix_cache"]["hits"] == 1
     assert turn["ttft_cached_s"] > 0 and turn["ttft_full_s"] > 0
     # conversation_read_s is rounded to 0.1 ms
