@@ -12,8 +12,9 @@ profile's `engram_tables` decides the source:
   one allocation per row made the 4K prompt's Engram read take about 8 s on the H200; runs of 64 rows with four
   lock rounds and a copy per row still left a 2.7 s gap between the h200 profile's wide prefill (4.1 s) and
   all-host's (1.4 s, tables in host memory; results/bench_prefill_matrix_v41_4L_h200.jsonl), where the SSD needs
-  about 0.4 s for its 0.8 GB at 1.9 GB/s: host time per row, not the SSD. 32 threads keep that many reads in
-  flight: single 4 KiB O_DIRECT reads are latency-bound, so the queue depth is what sets their rate.
+  about 0.4 s for its 0.8 GB at 1.9 GB/s, which points at host time per row rather than the SSD. 32 threads
+  keep that many reads in flight: single 4 KiB O_DIRECT reads are latency-bound, so the queue depth is what sets
+  their rate.
 - "host" / "hbm": the tables are copied into host memory once (`InMemoryRowSource`) and rows are gathered there.
   ("hbm" keeps them on the host too for now: a device-side gather is the fused step's concern, issue #5.)
 All sources answer the `RowSource` protocol of jds41.layers.engram_rows, deduplicate each call's row ids, and count
@@ -34,6 +35,7 @@ from jds41.tiers.ssd import ALIGN, DirectFiles, ExpertReadError, ReadFault, alig
 
 SPANS_PER_TASK = 64  # reads one pool task makes in turn, into one buffer (module docstring)
 SPAN_BYTES = 1 << 20  # the longest single read of touching rows
+TASK_BYTES = 4 << 20  # the most buffer one task reads into (32 threads: 128 MiB in flight at most)
 
 
 class SsdRowSource:
@@ -117,7 +119,13 @@ class SsdRowSource:
             want = uniq[miss]
             fresh = np.empty((miss.size, self.row_bytes), np.uint8)
             spans = self._spans(layer_slot, want)
-            tasks = [spans[a:a + SPANS_PER_TASK] for a in range(0, len(spans), SPANS_PER_TASK)]
+            tasks, size = [[]], 0
+            for span in spans:  # at most SPANS_PER_TASK reads and TASK_BYTES of buffer (or one span) per task
+                if tasks[-1] and (len(tasks[-1]) == SPANS_PER_TASK or size + span[3] > TASK_BYTES):
+                    tasks.append([])
+                    size = 0
+                tasks[-1].append(span)
+                size += span[3]
             for f in [self.pool.submit(self._read_spans, layer_slot, t, want, fresh[t[0][0]:t[-1][1]])
                       for t in tasks]:
                 f.result()  # re-raises a failed read (ExpertReadError naming the file and row)
