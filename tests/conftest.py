@@ -5,6 +5,13 @@
 - `llamacpp`: needs llama-cpp-python 0.3.36 built from source (`.ci/run` installs it). Without it a developer's
   run skips these tests with the reason; under CI=true a missing llama_cpp is a FAILURE, never a silent skip.
 - `slow`: left out of the README's default run (`-m "not slow"`); CI runs them right after it.
+
+Compiled programs are shared: unless JAX_COMPILATION_CACHE_DIR is already set (`.ci/run` sets one for its whole
+run), the first pytest process of a run points JAX's persistent compilation cache at a fresh temporary directory,
+and the pytest-xdist workers it starts inherit it. Most tests build the same tiny models, so most of their XLA
+programs compile once per run instead of once per process; on 2 cores compiling is most of the suite's time.
+A cached program is the same executable (the key covers the HLO, the compile options, XLA_FLAGS and the jax
+version), so the cache changes no result; tests that count compilations count cache hits as well.
 """
 
 from __future__ import annotations
@@ -12,6 +19,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import shutil
+import sys
+import tempfile
 
 import pytest
 
@@ -28,6 +38,29 @@ def _has_gpu() -> bool:
         return bool(jax.devices("gpu"))
     except RuntimeError:  # "Unknown backend gpu" / no devices of that platform
         return False
+
+
+_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
+_OWN_CACHE: list[str] = []  # the directory this process made (and removes at the end), if it made one
+
+
+def pytest_configure(config):
+    if not os.environ.get(_CACHE_ENV):
+        _OWN_CACHE.append(tempfile.mkdtemp(prefix="jds41-xla-cache-"))
+        os.environ[_CACHE_ENV] = _OWN_CACHE[0]
+    # Programs of a few milliseconds are worth caching too: the suite compiles thousands of them.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    if "jax" in sys.modules:  # a plugin imported jax before us: its flags already read the environment
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+
+
+def pytest_unconfigure(config):
+    for path in _OWN_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
