@@ -48,7 +48,8 @@ def test_ssd_row_read_error_names_the_table(model):
 
 def test_rows_whose_pages_touch_share_reads_cut_at_the_span_limit(model, monkeypatch):
     """Adjacent rows merge into one read, no read is longer than SPAN_BYTES (here 3 pages), reads are shared out to
-    tasks by count and bytes, and every row still gets its own bytes; reads that come back short (at most one page per call) are finished by the careful path."""
+    tasks by count and bytes, and every row still gets its own bytes; reads that come back short (at most one page
+    per call) are finished by the careful path."""
     from jds41.tiers import engram_store as ES
     from jds41.tiers.ssd import ALIGN, _pread
 
