@@ -153,7 +153,8 @@ def _moved(tiers, how: str, width: int, experts_TLK: np.ndarray) -> dict:
 
 class EngramReads:
     """Host time of the Engram row reads of one feed (`engine.engram_rows`, wrapped while in use): the first
-    piece's read is always before any piece runs; later ones overlap the piece before (Session._pieces)."""
+    piece's read is always before any piece runs; later ones overlap the piece before, on the feed's read-ahead
+    thread (Session._pieces)."""
 
     def __init__(self, engine: Engine):
         self.engine, self.seconds, self.calls, self.first_s = engine, 0.0, 0, None

@@ -10,15 +10,17 @@ with grouped expert products (the same bits however the prompt is cut, not decod
 With a prefix cache (jds41/prefix_cache.py) a fresh session resumes from the longest cached prefix of its prompt.
 
 Engram rows are known from token ids before a step runs, so the session hashes them on the host and reads them
-through the engine's row source (memory-mapped here; the tiers give SSD and host-memory sources later).
+through the engine's row source (memory-mapped here; the tiers give SSD and host-memory sources later); a prompt of
+several pieces reads each next piece's rows on a worker thread while the current piece runs (`Session._pieces`).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
-import functools
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
@@ -36,6 +38,7 @@ from jds41.tiers.loader import load_tensors
 from jds41.tokenizer import Tokenizer
 from jds41.weights import load_params, matrix_names
 
+READ_AHEAD_THREAD = "jds41-engram-ahead"  # the name of the thread reading a prompt's next Engram rows
 DEFAULT_PREFILL_CHUNK = 4096  # tokens per layer-major prefill group (0 = token-major only, the reference path)
 # Engine.open(numerics=...) -> QTensor.act_round. "llamacpp" rounds activations before quantized products as
 # llama.cpp's CPU backend does (Q8_0 blocks for Q8_0/MXFP4 weights, F16 for F16), to compare against it tightly.
@@ -193,13 +196,22 @@ class Session:
         rows = self.engine.engram_rows(new_tokens, self.tokens if history is None else history)
         return None if rows is None else jax.device_put(rows)  # jnp.asarray compiles a copy per shape
 
-    def _pieces(self, tokens: list[int]) -> Iterator[tuple[str, list[int], jax.Array | None, Callable[[], None]]]:
-        """(how, piece, Engram rows, read_ahead) for each prompt piece of `tokens` (jds41/prompt_pieces.py).
+    def _pieces(self, tokens: list[int]) -> Iterator[tuple[str, list[int], jax.Array | None]]:
+        """(how, piece, Engram rows on the device) for each prompt piece of `tokens` (jds41/prompt_pieces.py).
 
-        Engram rows depend on token ids alone, so the caller calls `read_ahead()` right after dispatching the piece:
-        the next piece's rows are then read on the host while the device computes this one, instead of after this
-        piece's outputs come back (a V4.1 4K piece under the h200 profile reads 196,608 rows from the SSD). Without
-        the call the rows are read when the next piece is asked for. The same rows either way."""
+        Engram rows depend on token ids alone, so piece k + 1's rows are read and put on the device on a worker
+        thread, submitted before piece k is handed out: the read overlaps the caller's dispatch of piece k and
+        the device computing it, however long the dispatching call blocks (jaxlib releases the GIL while it
+        executes; the SSD reads release it in preadv). Reading them after `run_piece` returned did not overlap at
+        all: on the H200 (V4.1 4-layer, profile h200, tables on the SSD) a 20,480-token prompt took 12.51 s, of
+        which 5.84 s were Engram reads (about 1.17 s per 4K piece), against 6.05 s with the tables in memory: most
+        likely `run_piece` returns only when the device is nearly done (XLA:GPU drives while loops from the host,
+        so the dispatching thread waits). The first piece's rows are read before it, with nothing to overlap; a
+        one-piece feed (every decode step) starts no thread. A read's error is raised here when its piece is taken,
+        as before.
+
+        Callers close the generator (contextlib.closing) so that a feed stopped early, by an error in its piece
+        or otherwise, waits for the read in flight and discards it: no read outlives the feed unobserved."""
         eng = self.engine
         pieces, at = [], 0
         for how, n in prompt_pieces(len(tokens), eng.plan.decode_width, eng.prefill_chunk, eng.tiers is not None,
@@ -207,16 +219,26 @@ class Session:
             pieces.append((how, at, n))
             at += n
         before = list(self.tokens)
-        ahead: dict[int, jax.Array | None] = {}
 
-        def read(k: int) -> None:
-            if k < len(pieces) and k not in ahead:
-                _, start, n = pieces[k]
-                ahead[k] = self._engram_rows(tokens[start:start + n], before + tokens[:start])
+        def read(k: int) -> jax.Array | None:
+            _, start, n = pieces[k]
+            return self._engram_rows(tokens[start:start + n], before + tokens[:start])
 
-        for k, (how, start, n) in enumerate(pieces):
-            read(k)
-            yield how, tokens[start:start + n], ahead.pop(k), functools.partial(read, k + 1)
+        rows = read(0) if pieces else None
+        # a thread per feed of several pieces: starting one costs nothing next to a piece, and none outlives the feed
+        # (the engine has no close to shut a shared one down)
+        worker = None
+        if len(pieces) > 1:
+            worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=READ_AHEAD_THREAD)
+        try:
+            for k, (how, start, n) in enumerate(pieces):
+                ahead = worker.submit(read, k + 1) if k + 1 < len(pieces) else None
+                yield how, tokens[start:start + n], rows
+                if ahead is not None:
+                    rows = ahead.result()  # re-raises the read's error (e.g. ExpertReadError) for this piece
+        finally:
+            if worker is not None:
+                worker.shutdown(wait=True, cancel_futures=True)
 
     def _check(self, tokens: Sequence[int]) -> None:
         V = self.engine.vocab_size
@@ -289,18 +311,18 @@ class Session:
         trace = self.trace_routing
         if eng.tiers is not None:
             eng.tiers.prefetch_tokens(tokens)  # token ids are known now: start the hash layers' SSD reads
-        for how, piece, rows, read_ahead in self._pieces(tokens):
-            n = len(piece)
-            logits, self.state, *routing = run_piece(eng.plan, eng.params, self.state, how, piece, rows, trace, (),
-                                                     all_logits, eng.prefill_chunk)
-            read_ahead()  # before anything below waits for this piece's outputs
-            self._record(routing)
-            if all_logits or i + n == len(tokens):
-                out.append(logits if all_logits else logits[-1:])
-            self.tokens += piece
-            i += n
-            if how != "step":  # a snapshot only where a piece ends: single steps end nowhere in particular
-                self._at_boundary(logits[-1])
+        with contextlib.closing(self._pieces(tokens)) as pieces:  # the next piece's rows are read meanwhile
+            for how, piece, rows in pieces:
+                n = len(piece)
+                logits, self.state, *routing = run_piece(eng.plan, eng.params, self.state, how, piece, rows, trace,
+                                                         (), all_logits, eng.prefill_chunk)
+                self._record(routing)
+                if all_logits or i + n == len(tokens):
+                    out.append(logits if all_logits else logits[-1:])
+                self.tokens += piece
+                i += n
+                if how != "step":  # a snapshot only where a piece ends: single steps end nowhere in particular
+                    self._at_boundary(logits[-1])
         # joined on the host: a jitted concatenate compiles once per count of pieces, i.e. per prompt length
         result = np.concatenate([np.asarray(o, np.float32) for o in out])
         return result if all_logits else result[-1]

@@ -36,6 +36,7 @@ rejection rule; `generate` refuses temperature > 0 with a RequestError instead.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
@@ -321,14 +322,15 @@ class SpeculativeSession(Session):
         out = []
         if trace:
             eng.tiers.prefetch_tokens(tokens)
-        for how, chunk, rows, read_ahead in self._pieces(tokens):
-            logits, self.state, *extra = run_piece(self.plan, eng.params, self.state, how, chunk, rows, trace,
-                                                   self.feature_layers, all_logits, eng.prefill_chunk)
-            read_ahead()  # the next piece's Engram rows, while the device runs this one (Session._pieces)
-            self._record(extra[:1] if trace else [])
-            self._observe(extra, len(self.tokens), len(chunk))
-            out.append(logits if all_logits else logits[-1:])
-            self.tokens += chunk
+        # the next piece's Engram rows are read on a worker thread while this one runs (Session._pieces)
+        with contextlib.closing(self._pieces(tokens)) as pieces:
+            for how, chunk, rows in pieces:
+                logits, self.state, *extra = run_piece(self.plan, eng.params, self.state, how, chunk, rows, trace,
+                                                       self.feature_layers, all_logits, eng.prefill_chunk)
+                self._record(extra[:1] if trace else [])
+                self._observe(extra, len(self.tokens), len(chunk))
+                out.append(logits if all_logits else logits[-1:])
+                self.tokens += chunk
         # joined on the host, as Session.feed does: a jitted concatenate compiles once per count of pieces
         result = np.concatenate([np.asarray(o, np.float32) for o in out])
         return result if all_logits else result[-1]

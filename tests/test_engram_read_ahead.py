@@ -1,60 +1,122 @@
-"""Engram rows read ahead (jds41/engine.py `Session._pieces`): a feed reads piece k + 1's rows right after it
-dispatches piece k, before it waits for piece k's outputs, and each piece still gets exactly its own rows.
+"""Engram rows read ahead (jds41/engine.py `Session._pieces`): a feed reads piece k + 1's rows on a worker thread
+while piece k is dispatched and computed, each piece still gets exactly its own rows, and a read never outlives
+its feed: its error surfaces from `feed`, and a feed stopped by its piece waits for the read in flight.
+
+Overlap is proven by a rendezvous, not by timing: the read of piece k + 1 waits until piece k's `run_piece` has
+been entered, and piece k's `run_piece` waits until that read has started. Both are then in flight together; a
+serial design (reading after `run_piece` returns) makes the run wait in vain, which is recorded as a failure.
 
 References: the rows of the whole prompt read in one call (each token's rows depend only on its own n - 1
 predecessors, so slicing them per piece is an independent derivation of every piece's rows), and the same prompt
-fed one piece per `feed` call (each feed reads its rows before its piece, as before the read-ahead).
+fed one piece per `feed` call (each feed reads its rows before its piece, with nothing to read ahead).
 """
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import pytest
 
 from jds41 import engine as E
-from jds41.engine import Engine
+from jds41.engine import READ_AHEAD_THREAD, Engine
 from jds41.prompt_pieces import prompt_pieces
+from jds41.tiers.ssd import ExpertReadError
+
+RENDEZVOUS_S = 5.0  # how long one side waits for the other before the test records a serial design
 
 
-def test_each_pieces_rows_are_read_while_the_piece_before_it_runs(synthetic_model, monkeypatch):
-    engine = Engine.open(str(synthetic_model("deepseek41", "tiny", "q8")), max_ctx=64, prefill_chunk=8)
+@pytest.fixture(scope="module")
+def engine(synthetic_model):
+    return Engine.open(str(synthetic_model("deepseek41", "tiny", "q8")), max_ctx=64, prefill_chunk=8)
+
+
+def _prompt(engine: Engine) -> tuple[list[int], list[int], list[int]]:
+    """A prompt of at least three pieces, the lengths of its pieces and where each starts."""
     tokens = np.random.default_rng(5).integers(8, engine.vocab_size, 21).tolist()
-    pieces = [n for _, n in prompt_pieces(len(tokens), engine.plan.decode_width, engine.prefill_chunk, False,
-                                          engine.plan.prompt_width)]
-    assert len(pieces) >= 3
+    lengths = [n for _, n in prompt_pieces(len(tokens), engine.plan.decode_width, engine.prefill_chunk, False,
+                                           engine.plan.prompt_width)]
+    assert len(lengths) >= 3
+    return tokens, lengths, [int(s) for s in np.cumsum([0] + lengths[:-1])]
+
+
+def _readers_alive() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(READ_AHEAD_THREAD)]
+
+
+def test_each_pieces_rows_are_read_while_the_piece_before_it_runs(engine, monkeypatch):
+    tokens, lengths, starts = _prompt(engine)
     want_rows = engine.engram_rows(tokens, [])
-    ends = np.cumsum(pieces)
 
-    events, given = [], []
-    real_run, real_rows, real_record = E.run_piece, engine.engram_rows, E.Session._record
-
-    def run(plan, params, state, how, piece, rows, *rest):
-        events.append(("run", len(piece)))
-        given.append(np.asarray(rows))
-        return real_run(plan, params, state, how, piece, rows, *rest)
+    read_started = [threading.Event() for _ in lengths]
+    run_entered = [threading.Event() for _ in lengths]
+    failures, given = [], []
+    real_run, real_rows = E.run_piece, engine.engram_rows
 
     def rows(new, history):
-        events.append(("rows", len(history) + len(new)))  # the position after the piece the rows are for
+        k = starts.index(len(history))
+        read_started[k].set()
+        if k and not run_entered[k - 1].wait(RENDEZVOUS_S):
+            failures.append(f"the read of piece {k} ran without piece {k - 1} being dispatched")
         return real_rows(new, history)
 
-    def record(self, routing):
-        events.append(("record",))
-        return real_record(self, routing)
+    def run(plan, params, state, how, piece, rows, *rest):
+        k = len(given)
+        given.append(np.asarray(rows))
+        run_entered[k].set()
+        if k + 1 < len(lengths) and not read_started[k + 1].wait(RENDEZVOUS_S):
+            failures.append(f"piece {k} was dispatched without the read of piece {k + 1} in flight")
+        return real_run(plan, params, state, how, piece, rows, *rest)
 
     monkeypatch.setattr(E, "run_piece", run)
     monkeypatch.setattr(engine, "engram_rows", rows)
-    monkeypatch.setattr(E.Session, "_record", record)
-    session = engine.session()
-    got = session.feed(tokens)
-
-    want_events = [("rows", int(ends[0]))]
-    for k, n in enumerate(pieces):
-        want_events += [("run", n)] + ([("rows", int(ends[k + 1]))] if k + 1 < len(pieces) else []) + [("record",)]
-    assert events == want_events
-    for k, rows_k in enumerate(given):
-        np.testing.assert_array_equal(rows_k, want_rows[ends[k] - pieces[k]:ends[k]], err_msg=f"piece {k}")
-
+    got = engine.session().feed(tokens)
     monkeypatch.undo()
+
+    assert failures == []
+    assert all(e.is_set() for e in read_started) and len(given) == len(lengths)
+    assert _readers_alive() == []
+    for k, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+        np.testing.assert_array_equal(given[k], want_rows[start:start + n], err_msg=f"piece {k}")
+
     one_by_one = engine.session()
-    for k, n in enumerate(pieces):
-        want = one_by_one.feed(tokens[ends[k] - n:ends[k]])
+    for start, n in zip(starts, lengths, strict=True):
+        want = one_by_one.feed(tokens[start:start + n])
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_failed_read_of_a_later_piece_raises_from_feed(engine, monkeypatch):
+    tokens, _, starts = _prompt(engine)
+    real_rows = engine.engram_rows
+
+    def rows(new, history):
+        if len(history) == starts[1]:
+            raise ExpertReadError("engram.gguf", -1, 7, "Engram table 0: injected")
+        return real_rows(new, history)
+
+    monkeypatch.setattr(engine, "engram_rows", rows)
+    with pytest.raises(ExpertReadError, match="injected"):
+        engine.session().feed(tokens)
+    assert _readers_alive() == []
+
+
+def test_a_feed_stopped_by_its_piece_waits_for_the_read_in_flight(engine, monkeypatch):
+    tokens, _, starts = _prompt(engine)
+    real_rows = engine.engram_rows
+    read_finished = threading.Event()
+
+    def rows(new, history):
+        if len(history) == starts[1]:
+            threading.Event().wait(0.5)  # still reading when piece 0 fails
+            read_finished.set()
+        return real_rows(new, history)
+
+    def run(*args):
+        raise RuntimeError("piece 0 failed")
+
+    monkeypatch.setattr(E, "run_piece", run)
+    monkeypatch.setattr(engine, "engram_rows", rows)
+    with pytest.raises(RuntimeError, match="piece 0 failed"):
+        engine.session().feed(tokens)
+    assert read_finished.is_set()  # the feed waited for its read before raising
+    assert _readers_alive() == []

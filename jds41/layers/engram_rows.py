@@ -25,6 +25,7 @@ value j = e4m3(code j) * 2^(scale[j // 32] - 127).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -141,7 +142,8 @@ class MmapRowSource:
 
     `tables[slot]` is any 2-D uint8 / int8 array-like [rows, row_bytes] (np.memmap, the checkpoint reader's raw
     view, a plain array); it is viewed as uint8 without copying. Each call deduplicates its row ids and reads each
-    distinct row once, in ascending order (page-cache friendly); `rows_requested` / `rows_read` count both.
+    distinct row once, in ascending order (page-cache friendly); `rows_requested` / `rows_read` count both, under a
+    lock: a session's read-ahead thread and the scheduler's thread may read at the same time.
     """
 
     def __init__(self, tables: Sequence, row_bytes: int | None = None):
@@ -159,6 +161,7 @@ class MmapRowSource:
         self.row_bytes = widths.pop()
         self.rows_requested = 0
         self.rows_read = 0
+        self._count_lock = threading.Lock()
 
     @classmethod
     def from_model(cls, model, ecfg: EngramConfig) -> MmapRowSource:
@@ -179,8 +182,9 @@ class MmapRowSource:
             bad = flat[(flat < 0) | (flat >= table.shape[0])][0]
             raise IndexError(f"Engram layer slot {layer_slot}: row {int(bad)} outside [0, {table.shape[0]})")
         uniq, inverse = np.unique(flat, return_inverse=True)
-        self.rows_requested += flat.size
-        self.rows_read += uniq.size
+        with self._count_lock:
+            self.rows_requested += flat.size
+            self.rows_read += uniq.size
         data = table[uniq]  # one copy of each distinct row
         return data[inverse].reshape((*ids.shape, self.row_bytes))
 
