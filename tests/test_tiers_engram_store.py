@@ -36,6 +36,34 @@ def test_ssd_rows_equal_the_table(model, direct):
     src.close()
 
 
+def test_rows_read_once_are_answered_from_the_cache(model):
+    """A repeat of a call reads nothing from the file (its rows found their places in the direct-mapped cache),
+    rows that collide in a one-place cache are still right, and tables sharing the cache keep their own rows."""
+    e = model.config.engram
+    want = MmapRowSource.from_model(model, e)
+    ids = np.random.default_rng(1).integers(0, e.rows[0], (5, e.n_buckets))
+    src = SsdRowSource(model, e, cache_rows=1 << 16)
+    first = src.read_rows(0, ids)
+    read = src.rows_read
+    np.testing.assert_array_equal(src.read_rows(0, ids), first)
+    assert src.rows_read == read and src.cache_hits == np.unique(ids).size
+    np.testing.assert_array_equal(first, want.read_rows(0, ids))
+    src.close()
+    one = SsdRowSource(model, e, cache_rows=1)
+    for _ in range(3):
+        np.testing.assert_array_equal(one.read_rows(0, ids), want.read_rows(0, ids))
+    one.close()
+    # Two tables share the cache: a second table over the same bytes shifted by one row (its row r is table 0's
+    # row r + 1), read right after table 0 with the same ids, gets its own rows, never table 0's cached ones.
+    two = SsdRowSource(model, e, cache_rows=1 << 16)
+    path, base, rows = two.tables[0]
+    two.tables.append((path, base + e.row_bytes, rows - 1))
+    ids = ids % (rows - 1)
+    np.testing.assert_array_equal(two.read_rows(0, ids), want.read_rows(0, ids))
+    np.testing.assert_array_equal(two.read_rows(1, ids), want.read_rows(0, ids + 1))
+    two.close()
+
+
 def test_ssd_row_read_error_names_the_table(model):
     def eio(fd, buf, offset):
         raise OSError(errno.EIO, "Input/output error (injected)")
