@@ -304,3 +304,26 @@ def test_fast_files_keep_the_layout_and_cycle_a_pool_of_experts(tmp_path, monkey
     assert len({experts[e].tobytes() for e in range(pool)}) == pool
     w = np.asarray(dequantize(b.raw("blk.0.attn_q_b.weight"), T.Q8_0, b.tensors["blk.0.attn_q_b.weight"].shape))
     assert abs(w.std() * np.sqrt(w.shape[-1]) - 1.0) < 0.1
+
+
+def test_fast_mxfp4_blocks_are_valid_weights_of_the_asked_spread(tmp_path):
+    """--fast MXFP4 (the V4-Flash benchmark files): random codes under one power-of-two scale. gguf-py's own
+    dequantizer (an independent reading of the block layout) gives finite values whose std is within a factor of
+    sqrt(2) of 1/sqrt(fan_in), for experts and dense matrices alike, and the file keeps a normal file's layout."""
+    from jds41.checkpoints import open_model
+
+    cfg = preset("deepseek4", "tiny")
+    normal, fast = tmp_path / "normal.gguf", tmp_path / "fast.gguf"
+    synth.write_synthetic(normal, cfg, quant="mxfp4", progress=False)
+    synth.write_synthetic(fast, cfg, quant="mxfp4", progress=False, fast=True)
+    a, b = open_model(normal), open_model(fast)
+    assert {n: (t.ggml_type, t.shape) for n, t in a.tensors.items()} == \
+           {n: (t.ggml_type, t.shape) for n, t in b.tensors.items()}
+    mxfp4 = [n for n, t in b.tensors.items() if t.ggml_type == T.MXFP4]
+    assert any("_exps." in n for n in mxfp4)
+    for name in mxfp4:
+        t = b.tensors[name]
+        w = gguf.quants.dequantize(np.asarray(b.raw(name)).reshape(-1), T.MXFP4).reshape(-1, t.shape[-1])
+        assert np.isfinite(w).all(), name
+        spread = w.std() * np.sqrt(t.shape[-1])
+        assert 2 ** -0.5 <= spread <= 2 ** 0.5, (name, spread)

@@ -158,8 +158,8 @@ def _chunks(spec: TensorSpec, qtype: T, cfg: ModelConfig, rng: np.random.Generat
             yield _engram_rows(rng, n, cfg.engram.head_dim).tobytes()
         elif spec.kind in (Kind.MATRIX, Kind.EXPERTS, Kind.SMALL_MATRIX):
             scale = 1.0 if spec.name == "token_embd.weight" else 1.0 / np.sqrt(cols)
-            if fast and qtype == T.Q8_0:
-                yield _fast_q8_0(rng, (n, cols), scale).tobytes()
+            if fast and qtype in _FAST_BLOCKS:
+                yield _FAST_BLOCKS[qtype](rng, (n, cols), scale).tobytes()
             else:
                 yield quantized(rng, qtype, (n, cols), scale).tobytes()
         else:
@@ -180,12 +180,31 @@ def _fast_q8_0(rng: np.random.Generator, shape: tuple[int, int], scale: float) -
     return blocks.reshape(rows, -1)
 
 
+MXFP4_CODE_STD = float(np.sqrt(np.mean(np.square(gguf.quants.MXFP4.kvalues, dtype=np.float64))))  # 5.85
+
+
+def _fast_mxfp4(rng: np.random.Generator, shape: tuple[int, int], scale: float) -> np.ndarray:
+    """MXFP4 blocks (an E8M0 scale byte, then 16 bytes of 4-bit codes) of uniform random codes under one scale,
+    std within a factor of sqrt(2) of `scale` (the scale is a power of two): gguf-py's MXFP4 quantizer searches
+    every code for every value and took most of a V4-Flash 8-layer benchmark file's 200 s write on the H200 box."""
+    rows, cols = shape
+    blocks = np.empty((rows, cols // 32, 17), np.uint8)
+    # a block's values are code value * 2^(e - 128) (gguf-py's e8m0_to_fp32_half, for e >= 2)
+    blocks[..., 0] = np.uint8(np.clip(np.round(np.log2(scale / MXFP4_CODE_STD)) + 128, 2, 254))
+    n = rows * (cols // 32) * 16
+    blocks[..., 1:] = rng.bit_generator.random_raw(-(-n // 8)).view(np.uint8)[:n].reshape(rows, cols // 32, 16)
+    return blocks.reshape(rows, -1)
+
+
+_FAST_BLOCKS = {T.Q8_0: _fast_q8_0, T.MXFP4: _fast_mxfp4}  # --fast generators of valid random blocks, by type
+
+
 def _fast_expert_chunks(spec: TensorSpec, qtype: T, rng: np.random.Generator, quantized) -> Iterator[bytes]:
     """An expert stack [E, out, in] as FAST_EXPERT_POOL distinct random experts repeated: speed benchmarks need the
     bytes and the layout, not E distinct values."""
     n_exp, out, cols = spec.shape
-    pool = [quantized(rng, qtype, (out, cols), 1.0 / np.sqrt(cols)).tobytes()
-            for _ in range(min(FAST_EXPERT_POOL, n_exp))]
+    make = _FAST_BLOCKS.get(qtype) or (lambda r, shape, scale: quantized(r, qtype, shape, scale))
+    pool = [make(rng, (out, cols), 1.0 / np.sqrt(cols)).tobytes() for _ in range(min(FAST_EXPERT_POOL, n_exp))]
     for e in range(n_exp):
         yield pool[e % len(pool)]
 
@@ -290,8 +309,8 @@ def write_synthetic(path: str | os.PathLike, cfg: ModelConfig, quant: str = "f32
     `tokenizer`: "synthetic" (built for the vocab size), "none" (llama.cpp's test-model convention: only
     vocab_size), or a `tokenizers.Tokenizer` with exactly `cfg.vocab_size` ids. `draft_only`: a separate DSpark
     draft file (only the config's `mtp.*` draft tensors; `cfg` must have draft stages). `fast`: for full-size speed
-    benchmarks, experts cycle through FAST_EXPERT_POOL random experts per stack and Q8_0 matrices are uniform
-    random blocks (same names, shapes, types and layout; writes at disk speed).
+    benchmarks, experts cycle through FAST_EXPERT_POOL random experts per stack and Q8_0 and MXFP4 matrices are
+    uniform random blocks (same names, shapes, types and layout; writes at disk speed).
     """
     from tqdm import tqdm
 
@@ -351,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default="synthetic", choices=("synthetic", "none"))
     ap.add_argument("--out", required=True)
     ap.add_argument("--fast", action="store_true",
-                    help="speed-benchmark files: pooled experts and uniform Q8_0 blocks (see write_synthetic)")
+                    help="speed-benchmark files: pooled experts, uniform Q8_0 and MXFP4 blocks (see write_synthetic)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING if a.quiet else logging.INFO, format="%(message)s")
