@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from jds41.compile_cache import enable_compile_cache
 from jds41.decode_loop import greedy_generate
 from jds41.engine import Engine, SamplingParams
 from jds41.errors import Jds41Error
@@ -54,6 +55,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--usage", default=None, help="usage.json from python -m jds41.tiers.profile (placement source)")
     ap.add_argument("--prefill-chunk", type=int, default=4096,
                     help="prompt tokens per layer-major prefill group (default 4096; 0 = token-major only)")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                    help="keep compiled programs here across runs (default $JAX_COMPILATION_CACHE_DIR, else "
+                         "~/.cache/jds41/xla; 'off': compile every run; jds41/compile_cache.py)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--logits", metavar="FILE.npy", help="save the logits of every prompt position and step")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
@@ -92,6 +96,7 @@ def run(args: argparse.Namespace) -> dict:
         raise Jds41Error(f"--decode-width must be >= 1, got {args.decode_width}")
     if args.prompt_width < 0 or args.prompt_width == 1:
         raise Jds41Error(f"--prompt-width must be 0 (the decode width) or >= 2, got {args.prompt_width}")
+    enable_compile_cache(args.compile_cache)  # before anything compiles
     engine = Engine.open(args.model, max_ctx=args.ctx, profile=args.profile, usage=args.usage, progress=True,
                          prefill_chunk=args.prefill_chunk, decode_width=args.decode_width,
                          prompt_width=args.prompt_width)

@@ -41,3 +41,4 @@ class ServeOptions:
     prompt_width: int = 0  # R >= 2: prompts read in R-row blocks with grouped experts (ModelPlan.prompt_width)
     prefix_cache_bytes: int = 0  # host-memory budget of the prefix cache (jds41/prefix_cache.py); 0 = off
     prefix_cache_dir: str | None = None  # keep prefix snapshots here too, across restarts
+    compile_cache: str | None = None  # compiled programs kept across restarts (jds41/compile_cache.py); "off" = none

@@ -53,6 +53,9 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
                     help="read prompts in R-row blocks with each group's experts computed expert by expert (R >= 2; "
                     "several times faster prefill, the same bits however a prompt is cut, not decode's bits; "
                     "default 0: prompts read with decode's arithmetic)")
+    ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
+                    help="keep compiled programs here, so a restart is ready sooner (default "
+                    "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/jds41/xla; 'off': compile at every start)")
     ap.add_argument("--load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -80,15 +83,18 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
                                     draft=args.draft, load_delay_s=args.load_delay, prefill_chunk=args.prefill_chunk,
                                     prefill_budget=args.prefill_budget,
                                     decode_width=args.decode_width, prompt_width=args.prompt_width,
-                                    prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir)
+                                    prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
+                                    compile_cache=args.compile_cache)
 
 
 def main(argv: list[str] | None = None) -> int:
     model, options = parse(argv)
     import uvicorn
 
+    from jds41.compile_cache import enable_compile_cache
     from jds41.serve.app import create_app
 
+    enable_compile_cache(options.compile_cache)  # before the loader thread compiles the warm-up programs
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     failure: list[str] = []
     server: uvicorn.Server | None = None
