@@ -188,6 +188,8 @@ class Session:
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache instead of computed
         self.trace_routing = engine.tiers is not None  # pieces return their routing (tier stats; benchmarks)
         self._looked_up = False
+        self._next: list[int] | None = None  # tokens the caller will feed next (read_next)
+        self._read_next: tuple[list[int], tuple[int, ...], jax.Array | None] | None = None  # (after, tokens, rows)
 
     # ---- host-side inputs ----------------------------------------------------------------------------------
     def _engram_rows(self, new_tokens: Sequence[int], history: Sequence[int] | None = None) -> jax.Array | None:
@@ -195,6 +197,14 @@ class Session:
         [T, n_layers, n_buckets, row_bytes] (uint8)."""
         rows = self.engine.engram_rows(new_tokens, self.tokens if history is None else history)
         return None if rows is None else jax.device_put(rows)  # jnp.asarray compiles a copy per shape
+
+    def read_next(self, tokens: Sequence[int]) -> None:
+        """Say which tokens the next `feed` will take: the next feed reads their Engram rows on its worker thread
+        while its own last piece runs, and the feed after uses them if it starts with exactly those tokens (else it
+        reads its own, as without this call). For a caller that feeds a long prompt a chunk per call, as the
+        server's scheduler does, which would otherwise read each chunk's rows only once the chunk before is done.
+        Nothing is read for a model without Engram."""
+        self._next = [int(t) for t in tokens] if self.engine.engram is not None and len(tokens) else None
 
     def _pieces(self, tokens: list[int]) -> Iterator[tuple[str, list[int], jax.Array | None]]:
         """(how, piece, Engram rows on the device) for each prompt piece of `tokens` (jds41/prompt_pieces.py).
@@ -211,7 +221,10 @@ class Session:
         as before.
 
         Callers close the generator (contextlib.closing) so that a feed stopped early, by an error in its piece
-        or otherwise, waits for the read in flight and discards it: no read outlives the feed unobserved."""
+        or otherwise, waits for the read in flight and discards it: no read outlives the feed unobserved.
+
+        After `read_next(T)` the tokens T are read as one more piece would be, while the last piece runs, and kept
+        for the next feed (`read_next`); a failed read of them is dropped (the next feed reads them again)."""
         eng = self.engine
         pieces, at = [], 0
         for how, n in prompt_pieces(len(tokens), eng.plan.decode_width, eng.prefill_chunk, eng.tiers is not None,
@@ -219,23 +232,36 @@ class Session:
             pieces.append((how, at, n))
             at += n
         before = list(self.tokens)
+        upcoming, self._next = self._next, None
+        kept, self._read_next = self._read_next, None
+        reads = [(start, n) for _, start, n in pieces] + ([(len(tokens), len(upcoming))] if upcoming else [])
 
         def read(k: int) -> jax.Array | None:
-            _, start, n = pieces[k]
-            return self._engram_rows(tokens[start:start + n], before + tokens[:start])
+            start, n = reads[k]
+            new = tokens[start:start + n] if k < len(pieces) else upcoming
+            return self._engram_rows(new, before + tokens[:start])
 
-        rows = read(0) if pieces else None
-        # a thread per feed of several pieces: starting one costs nothing next to a piece, and none outlives the feed
+        rows = None
+        if pieces:
+            first = tuple(tokens[:pieces[0][2]])
+            rows = kept[2] if kept is not None and kept[1] == first and kept[0] == before else read(0)
+        # a thread per feed of several reads: starting one costs nothing next to a piece, and none outlives the feed
         # (the engine has no close to shut a shared one down)
         worker = None
-        if len(pieces) > 1:
+        if len(reads) > 1:
             worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=READ_AHEAD_THREAD)
         try:
+            ahead = None
             for k, (how, start, n) in enumerate(pieces):
-                ahead = worker.submit(read, k + 1) if k + 1 < len(pieces) else None
+                ahead = worker.submit(read, k + 1) if k + 1 < len(reads) else None
                 yield how, tokens[start:start + n], rows
-                if ahead is not None:
+                if ahead is not None and k + 1 < len(pieces):
                     rows = ahead.result()  # re-raises the read's error (e.g. ExpertReadError) for this piece
+            if upcoming and ahead is not None:
+                try:
+                    self._read_next = (before + tokens, tuple(upcoming), ahead.result())
+                except Exception:  # noqa: BLE001  (only a guess at the next feed: it reads them itself)
+                    self._read_next = None
         finally:
             if worker is not None:
                 worker.shutdown(wait=True, cancel_futures=True)

@@ -338,11 +338,12 @@ class Scheduler:
                 break
             s = self._slots[i]
             prompt = s.handle.request.prompt
-            n = min(len(prompt) - s.fed, budget)
-            if n < len(prompt) - s.fed and n >= PREFILL_CHUNK:
-                n -= n % PREFILL_CHUNK  # whole chunks go through the scan; only a prompt's tail is fed by steps
+            n = _feed_length(len(prompt) - s.fed, budget)
             budget -= n
             try:
+                if s.fed + n < len(prompt):  # its Engram rows are read while this feed's last piece runs
+                    after = s.fed + n
+                    s.session.read_next(prompt[after:after + _feed_length(len(prompt) - after, self.prefill_budget)])
                 logits = s.session.feed(prompt[s.fed:s.fed + n])
                 s.fed += n
                 if s.fed < len(prompt):
@@ -517,6 +518,15 @@ class Scheduler:
     def _update_gauges(self) -> None:
         self.stats.running = sum(s is not None for s in self._slots)
         self.stats.waiting = len(self._waiting)
+
+
+def _feed_length(remaining: int, budget: int) -> int:
+    """Prompt tokens one feed takes: up to the budget, in whole chunks unless it is the prompt's tail (whole chunks
+    go through the scan; only a prompt's tail is fed by steps)."""
+    n = min(remaining, budget)
+    if n < remaining and n >= PREFILL_CHUNK:
+        n -= n % PREFILL_CHUNK
+    return n
 
 
 def _greedy_loopable(req: GenRequest) -> bool:

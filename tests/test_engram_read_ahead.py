@@ -1,6 +1,8 @@
 """Engram rows read ahead (jds41/engine.py `Session._pieces`): a feed reads piece k + 1's rows on a worker thread
 while piece k is dispatched and computed, each piece still gets exactly its own rows, and a read never outlives
-its feed: its error surfaces from `feed`, and a feed stopped by its piece waits for the read in flight.
+its feed: its error surfaces from `feed`, and a feed stopped by its piece waits for the read in flight. A caller
+that feeds a prompt a chunk per call says what comes next (`Session.read_next`; the server's scheduler does), and
+that chunk's rows are read during the feed before.
 
 Overlap is proven by a rendezvous, not by timing: the read of piece k + 1 waits until piece k's `run_piece` has
 been entered, and piece k's `run_piece` waits until that read has started. Both are then in flight together; a
@@ -120,3 +122,73 @@ def test_a_feed_stopped_by_its_piece_waits_for_the_read_in_flight(engine, monkey
         engine.session().feed(tokens)
     assert read_finished.is_set()  # the feed waited for its read before raising
     assert _readers_alive() == []
+
+
+def _recording_reads(engine: Engine, monkeypatch) -> list[tuple[str, int, tuple[int, ...]]]:
+    """Every Engram read from now on: (thread name, tokens before the read's tokens, the read's tokens)."""
+    calls, real = [], engine.engram_rows
+
+    def rows(new, history):
+        calls.append((threading.current_thread().name, len(history), tuple(int(t) for t in new)))
+        return real(new, history)
+
+    monkeypatch.setattr(engine, "engram_rows", rows)
+    return calls
+
+
+def test_tokens_said_next_are_read_during_the_feed_before_and_used_by_the_next(engine, monkeypatch):
+    """`read_next(B)` before `feed(A)`: B's rows are read on the read-ahead thread during feed(A), feed(B) reads
+    nothing for its first piece, and its logits are those of a session told nothing; a next feed of other tokens
+    reads its own rows and is just as right."""
+    a, b = _prompt(engine)[0][:8], _prompt(engine)[0][8:16]
+    other = [t + 1 for t in b]
+    plain = engine.session()
+    plain.feed(a)
+    want_b = plain.feed(b)
+    plain_other = engine.session()
+    plain_other.feed(a)
+    want_other = plain_other.feed(other)
+
+    calls = _recording_reads(engine, monkeypatch)
+    told = engine.session()
+    told.read_next(b)
+    told.feed(a)
+    assert (READ_AHEAD_THREAD + "_0", len(a), tuple(b)) in calls  # read while feed(a) ran, on its worker
+    calls.clear()
+    np.testing.assert_array_equal(told.feed(b), want_b)
+    assert not [c for c in calls if c[2][:1] == (b[0],) and c[1] == len(a)]  # the kept rows were used
+
+    guessed_wrong = engine.session()
+    guessed_wrong.read_next(b)
+    guessed_wrong.feed(a)
+    calls.clear()
+    np.testing.assert_array_equal(guessed_wrong.feed(other), want_other)
+    assert calls and calls[0][2][0] == other[0]  # read for itself
+    assert not _readers_alive()
+
+
+def test_the_scheduler_reads_a_long_prompts_next_chunk_while_feeding_this_one(engine, monkeypatch):
+    """A prompt fed over several scheduler iterations: each next chunk's rows are read on the read-ahead thread
+    during the chunk before, and the tokens equal those of the same prompt fed in one iteration."""
+    from jds41 import scheduler as S
+    from jds41.engine import SamplingParams
+
+    prompt = _prompt(engine)[0]
+    whole = S.Scheduler(engine, n_slots=1, prefill_budget=64)
+    whole.start()
+    try:
+        want = [e.id for e in whole.submit(S.GenRequest(prompt, 4, SamplingParams())).iter_events(timeout=120)
+                if isinstance(e, S.Token)]
+    finally:
+        whole.stop()
+    calls = _recording_reads(engine, monkeypatch)
+    chunked = S.Scheduler(engine, n_slots=1, prefill_budget=8)
+    chunked.start()
+    try:
+        got = [e.id for e in chunked.submit(S.GenRequest(prompt, 4, SamplingParams())).iter_events(timeout=120)
+               if isinstance(e, S.Token)]
+    finally:
+        chunked.stop()
+    assert got == want and len(got) == 4
+    ahead = {(at, toks) for name, at, toks in calls if name.startswith(READ_AHEAD_THREAD)}
+    assert (8, tuple(prompt[8:16])) in ahead and (16, tuple(prompt[16:])) in ahead
