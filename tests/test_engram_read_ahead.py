@@ -167,28 +167,28 @@ def test_tokens_said_next_are_read_during_the_feed_before_and_used_by_the_next(e
     assert not _readers_alive()
 
 
-def test_the_scheduler_reads_a_long_prompts_next_chunk_while_feeding_this_one(engine, monkeypatch):
-    """A prompt fed over several scheduler iterations: each next chunk's rows are read on the read-ahead thread
-    during the chunk before, and the tokens equal those of the same prompt fed in one iteration."""
+def _scheduled_tokens(engine: Engine, prompt: list[int], prefill_budget: int) -> list[int]:
+    """Four greedy tokens after `prompt`, served by a one-slot scheduler feeding at most `prefill_budget` prompt
+    tokens per iteration."""
     from jds41 import scheduler as S
     from jds41.engine import SamplingParams
 
+    sched = S.Scheduler(engine, n_slots=1, prefill_budget=prefill_budget)
+    sched.start()
+    try:
+        events = sched.submit(S.GenRequest(prompt, 4, SamplingParams())).iter_events(timeout=120)
+        return [e.id for e in events if isinstance(e, S.Token)]
+    finally:
+        sched.stop()
+
+
+def test_the_scheduler_reads_a_long_prompts_next_chunk_while_feeding_this_one(engine, monkeypatch):
+    """A prompt fed over several scheduler iterations: each next chunk's rows are read on the read-ahead thread
+    during the chunk before, and the tokens equal those of the same prompt fed in one iteration."""
     prompt = _prompt(engine)[0]
-    whole = S.Scheduler(engine, n_slots=1, prefill_budget=64)
-    whole.start()
-    try:
-        want = [e.id for e in whole.submit(S.GenRequest(prompt, 4, SamplingParams())).iter_events(timeout=120)
-                if isinstance(e, S.Token)]
-    finally:
-        whole.stop()
+    want = _scheduled_tokens(engine, prompt, 64)
     calls = _recording_reads(engine, monkeypatch)
-    chunked = S.Scheduler(engine, n_slots=1, prefill_budget=8)
-    chunked.start()
-    try:
-        got = [e.id for e in chunked.submit(S.GenRequest(prompt, 4, SamplingParams())).iter_events(timeout=120)
-               if isinstance(e, S.Token)]
-    finally:
-        chunked.stop()
+    got = _scheduled_tokens(engine, prompt, 8)
     assert got == want and len(got) == 4
     ahead = {(at, toks) for name, at, toks in calls if name.startswith(READ_AHEAD_THREAD)}
     assert (8, tuple(prompt[8:16])) in ahead and (16, tuple(prompt[16:])) in ahead
