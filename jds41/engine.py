@@ -189,7 +189,7 @@ class Session:
         self.trace_routing = engine.tiers is not None  # pieces return their routing (tier stats; benchmarks)
         self._looked_up = False
         self._next: list[int] | None = None  # tokens the caller will feed next (read_next)
-        self._read_next: tuple[list[int], tuple[int, ...], jax.Array | None] | None = None  # (after, tokens, rows)
+        self._kept_rows: tuple[list[int], tuple[int, ...], jax.Array | None] | None = None  # (after, tokens, rows)
 
     # ---- host-side inputs ----------------------------------------------------------------------------------
     def _engram_rows(self, new_tokens: Sequence[int], history: Sequence[int] | None = None) -> jax.Array | None:
@@ -233,7 +233,7 @@ class Session:
             at += n
         before = list(self.tokens)
         upcoming, self._next = self._next, None
-        kept, self._read_next = self._read_next, None
+        kept, self._kept_rows = self._kept_rows, None
         reads = [(start, n) for _, start, n in pieces] + ([(len(tokens), len(upcoming))] if upcoming else [])
 
         def read(k: int) -> jax.Array | None:
@@ -259,9 +259,9 @@ class Session:
                     rows = ahead.result()  # re-raises the read's error (e.g. ExpertReadError) for this piece
             if upcoming and ahead is not None:
                 try:
-                    self._read_next = (before + tokens, tuple(upcoming), ahead.result())
+                    self._kept_rows = (before + tokens, tuple(upcoming), ahead.result())
                 except Exception:  # noqa: BLE001  (only a guess at the next feed: it reads them itself)
-                    self._read_next = None
+                    self._kept_rows = None
         finally:
             if worker is not None:
                 worker.shutdown(wait=True, cancel_futures=True)
