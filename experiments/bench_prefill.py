@@ -20,6 +20,9 @@ it to --out, default $OUT/bench_prefill.jsonl when $OUT is set):
   the grouped products, which read an expert once per tile of R pairs);
 - flops per token (2 per weight a token multiplies: dense matrices and its K experts) and the compute bound at the
   H200's 67 TFLOP/s of f32 (the wide pass multiplies in f32 at Precision.HIGHEST), reported beside the roofline;
+- slot_cache_feed (an SSD tier): the slot cache's counters over the timed feed: host calls and their seconds, the
+  part spent waiting for reads (stall_s) and copying answers out (copy_s), bytes read, and the reads the next-layer
+  read-ahead started (set_ahead; --set-ahead on,off measures both on the same programs);
 - engram_read (V4.1): host seconds of the timed feed's Engram row reads (one per piece; the first runs before any
   piece, the others while the piece before runs) and the rows the source read (the SSD source's own counter);
 - roofline (DESIGN.md §8): tok/s no faster than 1 / max(bytes / bandwidth) over HBM 4.4 TB/s, PCIe 48 GB/s and
@@ -194,6 +197,7 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
     tiers = engine.tiers
     ssd = tiers.stores.ssd if tiers is not None else None
     ssd_before = ssd.stats.bytes if ssd is not None else 0
+    slots_before = ssd.stats.to_dict() if ssd is not None else None
     session = engine.session()
     traces = _traced(session)
     session.trace_routing = _traces(engine)
@@ -226,9 +230,21 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
             "of_roofline": round(tok_s / roof["tok_s_overlapped"], 4) if roof["tok_s_overlapped"] else None,
             "vs_llamacpp_8l_host_experts": round(tok_s / LLAMACPP_8L["host_experts_tok_s"], 3),
             "tier_stats": tiers.stats() if tiers is not None else None, "device_peak_bytes": _device_peak_bytes(),
-            "engram_read": engram.report(),
+            "engram_read": engram.report(), "slot_cache_feed": _delta(slots_before, ssd),
             "whole_host_stack": any(b["routed"].host_whole for b in engine.params["blocks"] if "routed" in b),
             "host_stack_ahead": HOST_STACK_AHEAD}
+
+
+def _delta(before: dict | None, ssd) -> dict | None:
+    """The SSD slot cache's counters over the timed feed alone (tier_stats counts since the engine opened, the
+    warm-up included): how long its host calls took, how much of that was waiting for reads (stall) and copying
+    answers out, and how many of its reads the next-layer read-ahead started."""
+    if before is None:
+        return None
+    now = ssd.stats.to_dict()
+    keys = ("host_calls", "host_call_s", "stall_s", "copy_s", "bytes", "misses", "prefetches", "set_ahead",
+            "prefetch_used")
+    return {k: round(now[k] - before[k], 4) if isinstance(now[k], float) else now[k] - before[k] for k in keys}
 
 
 def _device_peak_bytes() -> int | None:
@@ -283,6 +299,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--turn", default="20000,200", help="PREFIX,NEW of the agent-turn TTFT ('' to skip)")
     ap.add_argument("--ctx", type=int, default=None, help="context (default: the longest prompt + 256)")
     ap.add_argument("--cache-bytes", type=int, default=32 << 30, help="prefix cache budget for the turn")
+    ap.add_argument("--set-ahead", default="on", help="on, off or on,off: a prefill group's next-layer SSD "
+                    "read-ahead (SsdStore.read_ahead); each value runs every length on the same programs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "bench_prefill.jsonl")
                     if os.environ.get("OUT") else None)
@@ -303,12 +321,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              prefill_chunk=args.chunk, prefix_cache_bytes=args.cache_bytes, decode_width=width,
                              prompt_width=prompt_width)
         # Each row is written as soon as it is measured: a device call that runs out of time keeps what finished.
-        runs = [functools.partial(prefill_run, engine, profile, n, args.chunk, args.seed + i)
-                for i, n in enumerate(lengths)]
+        ssd = engine.tiers.stores.ssd if engine.tiers is not None else None
+        runs = [(ahead, functools.partial(prefill_run, engine, profile, n, args.chunk, args.seed + i))
+                for ahead in args.set_ahead.split(",") for i, n in enumerate(lengths)]
         if turn:
-            runs.append(functools.partial(turn_run, engine, profile, turn[0], turn[1], args.seed + 100))
-        for run in runs:
-            r = {**run(), **meta, "max_ctx": ctx, "load_s": round(engine.load_seconds, 2)}
+            runs.append(("on", functools.partial(turn_run, engine, profile, turn[0], turn[1], args.seed + 100)))
+        for ahead, run in runs:
+            if ssd is not None:
+                ssd.set_ahead = ahead == "on"
+            r = {**run(), **meta, "max_ctx": ctx, "load_s": round(engine.load_seconds, 2),
+                 "ssd_set_ahead": ahead == "on" if ssd is not None else None}
             line = json.dumps(r)
             print(line, flush=True)
             if args.out:

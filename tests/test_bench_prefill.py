@@ -61,3 +61,19 @@ def test_bench_tiered_profile_moves_fewer_bytes_layer_major():
     assert 0 < wide["bytes_per_token"]["host"] < wide["token_major_bytes_per_token"]["host"]
     assert wide["bytes_per_token"]["hbm"] < run["bytes_per_token"]["hbm"]  # dense weights read once per block
     _check_roofline(wide)
+
+
+@pytest.mark.slow
+def test_bench_measures_the_ssd_read_ahead_on_and_off(tmp_path):
+    # every expert on the SSD, one layer's worth of slots: each layer's reads evict the last, so the timed feed
+    # reads again after its warm-up and the read-ahead has something to start
+    profile = tmp_path / "all-ssd.json"
+    profile.write_text(json.dumps({"name": "all-ssd", "tier0_bytes": 0.0, "tier1_bytes": 0.0, "slot_cache_slots": 8}))
+    on, off = B.main([MODEL, "--lengths", "48", "--profiles", str(profile), "--chunk", "16", "--turn", "",
+                      "--set-ahead", "on,off"])
+    assert (on["ssd_set_ahead"], off["ssd_set_ahead"]) == (True, False)
+    assert on["slot_cache_feed"]["set_ahead"] > 0 and off["slot_cache_feed"]["set_ahead"] == 0
+    for run in (on, off):
+        feed = run["slot_cache_feed"]
+        assert feed["host_calls"] > 0 and feed["host_call_s"] >= feed["stall_s"] >= 0
+        assert feed["host_calls"] <= run["tier_stats"]["ssd"]["slot_cache"]["host_calls"]  # the feed's share

@@ -208,11 +208,14 @@ def stack_shapes(tl: TieredLayer, n: int) -> tuple[jax.ShapeDtypeStruct, ...]:
     return tuple(jax.ShapeDtypeStruct((n, *tl.hbm[s].data.shape[1:]), tl.hbm[s].data.dtype) for s in STACKS)
 
 
-def source_fetch(tl: TieredLayer, shapes: tuple):
+def source_fetch(tl: TieredLayer, shapes: tuple, union: bool = False):
     """Host side of a layer's SSD call, answering with arrays of `shapes`: the rows of every flagged entry, read
     through the source in batches no larger than its slot cache (a prefill union may flag more experts than there
     are slots; each batch is copied out while pinned, so its slots are free for the next). One batch, the decode
-    case, hands the source's arrays over as they are."""
+    case, hands the source's arrays over as they are. A `union` (a group's distinct experts) then tells the source,
+    which may start reading the next layer's experts (SsdStore.read_ahead: only for a prefill-sized union)."""
+    read_ahead = getattr(tl.source, "read_ahead", None) if union else None
+
     def fetch(idx_N, mask_N):
         idx, mask = np.asarray(idx_N), np.asarray(mask_N, bool)
         at = np.flatnonzero(mask)
@@ -220,14 +223,17 @@ def source_fetch(tl: TieredLayer, shapes: tuple):
         try:
             if len(at) <= slots:
                 rows = tl.source.fetch(tl.layer, idx, mask)
-                return tuple(np.asarray(r, s.dtype).reshape(s.shape) for r, s in zip(rows, shapes))
-            out = [np.zeros(s.shape, s.dtype) for s in shapes]
-            for i in range(0, len(at), slots):
-                sub = at[i:i + slots]
-                rows = tl.source.fetch(tl.layer, idx[sub], np.ones(len(sub), bool))
-                for o, r, s in zip(out, rows, shapes):
-                    o[sub] = np.asarray(r, s.dtype).reshape((len(sub), *s.shape[1:]))
-            return tuple(out)
+                out = tuple(np.asarray(r, s.dtype).reshape(s.shape) for r, s in zip(rows, shapes))
+            else:
+                out = tuple(np.zeros(s.shape, s.dtype) for s in shapes)
+                for i in range(0, len(at), slots):
+                    sub = at[i:i + slots]
+                    rows = tl.source.fetch(tl.layer, idx[sub], np.ones(len(sub), bool))
+                    for o, r, s in zip(out, rows, shapes):
+                        o[sub] = np.asarray(r, s.dtype).reshape((len(sub), *s.shape[1:]))
+            if read_ahead is not None:  # after the last batch: every slot of this layer is free to take
+                read_ahead(tl.layer, len(at))
+            return out
         except Exception as e:
             # XLA reports a failed callback as its own runtime error; keep ours for the engine to re-raise.
             FAILURES.append(e)
@@ -244,7 +250,7 @@ def ssd_rows(tl: TieredLayer, idx_N: jax.Array, on_ssd_N: jax.Array, union: bool
     (`union_answer_rows`), not by N."""
     def take(pos):
         shapes = stack_shapes(tl, pos.shape[0])
-        return in_layer_layout(tl, io_callback(source_fetch(tl, shapes), shapes, idx_N[pos], on_ssd_N[pos]))
+        return in_layer_layout(tl, io_callback(source_fetch(tl, shapes, union), shapes, idx_N[pos], on_ssd_N[pos]))
 
     def zeros():
         return tuple(jnp.zeros(s.shape, s.dtype) for s in stack_shapes(tl, idx_N.shape[0]))

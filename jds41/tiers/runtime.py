@@ -91,6 +91,8 @@ class TierRuntime:
         return out
 
     def close(self) -> None:
+        if self.stores.ssd is not None:
+            self.stores.ssd.close()
         self.reader.close()
 
 

@@ -24,10 +24,12 @@ class TierStats:
     stall_s: float = 0.0
     prefetches: int = 0  # keys whose read a look-ahead started
     prefetch_used: int = 0  # prefetched keys that a later lookup hit before they were evicted
+    set_ahead: int = 0  # of the prefetches, those a prefill group's next-layer read-ahead started (SsdStore)
     failures: int = 0  # fills that ended in ExpertReadError
     host_calls: int = 0  # graph-to-host calls answered (SsdStore.fetch): one per layer that streams an expert
     answer_rows: int = 0  # expert rows those answers carried into the graph (padding rows included)
     host_call_s: float = 0.0  # time spent inside those calls, waits for reads included (stall_s is part of it)
+    copy_s: float = 0.0  # of host_call_s, the copies of answer rows out of the slots
 
     @property
     def hit_rate(self) -> float:

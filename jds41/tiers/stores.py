@@ -9,7 +9,8 @@ Owns:
 - `HostStore` (tier 1): the same stacks placed in `pinned_host` memory where the backend has that memory kind
   (on CPU the kind is a label: DESIGN.md §7), else in device memory with `note` saying so.
 - `SsdStore` (tier 2): an ExpertReader feeding a SlotCache whose slots are a host staging array `[S, bytes]` and,
-  per stack kind, a device QTensor `[S, out, in]` the graph gathers from by slot id.
+  per stack kind, a device QTensor `[S, out, in]` the graph gathers from by slot id. A prefill group's union
+  call starts reading the next SSD layer's whole set (`read_ahead`), so those reads overlap this layer's compute.
 - `build_stores(layout, placement, reader, n_slots)`: all three from a placement {(layer, expert): (tier, local)}
   (the planner, tiers/placement.py, writes it; a plain dict here so this module does not depend on it).
 
@@ -21,6 +22,7 @@ still gets one zero row, so a graph that gathers with clamped indices from every
 from __future__ import annotations
 
 import abc
+import concurrent.futures as cf
 import dataclasses
 import re
 import time
@@ -241,6 +243,16 @@ def _bucket(n: int) -> int:
 # that grow to the largest answer asked for.
 ANSWER_RING, ANSWER_RING_MAX_ROWS, ANSWER_ARENAS = 4, 8, 2
 
+# A host call asking for at least this share of its layer's SSD experts answers a prefill group's union (decode
+# and a verify ask for a few): the group's next layer will ask for most of its set too, so `read_ahead` starts
+# reading that set while this layer computes. V4-Flash lucebox, 4K groups: 86 of 86 per layer, 1.15 GB per call,
+# and the call waited for every byte of it (stall 37 s of a 61 s 20K prefill, H200, experiments/README.md).
+SET_AHEAD_SHARE = 0.5
+# Rows an answer copies out of the slots before the copy is spread over threads: a union answer is ~1.2 GB, about
+# 0.15 s for one thread, which every layer of a prefill group waits for; decode answers (<= K rows) stay inline.
+PARALLEL_COPY_ROWS = 16
+COPY_THREADS = 8
+
 # Donating the slot array updates it in place: a refill must not cost a second copy of all slots.
 _set_rows = jax.jit(lambda a, i, v: a.at[i].set(v), donate_argnums=0)
 
@@ -276,6 +288,12 @@ class SsdStore(ExpertStore):
         self._answer_turn: dict[int, int] = {}
         self._arenas: list[list[np.ndarray]] = [[] for _ in range(ANSWER_ARENAS)]  # large answers: views of these
         self._arena_turn = 0
+        by_layer: dict[int, list[Key]] = {}
+        for key in sorted(self.local):
+            by_layer.setdefault(key[0], []).append(key)
+        self._layer_keys = by_layer  # layer -> its tier-2 keys, for read_ahead
+        self.set_ahead = True  # read_ahead on (False: the reference and A/B runs)
+        self._copier: cf.ThreadPoolExecutor | None = None  # answer copies of union-sized calls, made when first used
         sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0], memory_kind=memory_kind)
         self.slots = {s.kind: _put(QTensor.from_raw(np.zeros((n_slots, s.expert_bytes), np.uint8), s.qtype,
                                                     (n_slots, *s.shape[1:])), sharding) for s in self.proto}
@@ -335,19 +353,54 @@ class SsdStore(ExpertStore):
             b[~on_ssd] = 0
         if keys:
             slots = self._pin_and_wait(keys, None)
+            t1 = time.perf_counter()
             try:  # copied while pinned: the slots cannot be refilled under us
-                at = 0
-                for b, s in zip(bufs, self.proto):
-                    for k, slot in zip(at_k, slots):
-                        np.copyto(b[k], self.host[slot, at:at + s.expert_bytes])
-                    at += s.expert_bytes
+                self._copy_out(bufs, at_k, slots)
             finally:
                 self.cache.unpin(set(keys))
+            self.stats.copy_s += time.perf_counter() - t1
         out = tuple(QTensor.from_raw(b, s.qtype, (len(experts), *s.shape[1:])).data for b, s in zip(bufs, self.proto))
         self.stats.host_calls += 1
         self.stats.answer_rows += len(experts)
         self.stats.host_call_s += time.perf_counter() - t0
         return out
+
+    def _copy_out(self, bufs: list[np.ndarray], at_k: np.ndarray, slots: np.ndarray) -> None:
+        """Answer row k of each stack from its slot's host row. Rows are disjoint, and numpy releases the GIL while
+        it copies, so a union-sized answer is copied on COPY_THREADS threads."""
+        jobs, at = [], 0
+        for b, s in zip(bufs, self.proto):
+            jobs += [(b[k], self.host[slot, at:at + s.expert_bytes]) for k, slot in zip(at_k, slots)]
+            at += s.expert_bytes
+        if len(at_k) < PARALLEL_COPY_ROWS:
+            for dst, src in jobs:
+                np.copyto(dst, src)
+            return
+        if self._copier is None:
+            self._copier = cf.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="jds41-answer")
+        list(self._copier.map(lambda job: np.copyto(*job), jobs))  # list(): waits, and re-raises a failed copy
+
+    def read_ahead(self, layer: int, asked: int) -> list[Key]:
+        """Called once a host call of `layer` has its answer (tiers/experts.source_fetch). If it asked for at least
+        SET_AHEAD_SHARE of the layer's tier-2 experts (a prefill group's union), start reading every tier-2 expert
+        of the next layer that has any: that layer's call, made once its routing is known, finds them read or in
+        flight. A prefetch: it never waits, never evicts a pinned slot, never counts as use. Returns the keys whose
+        read started."""
+        mine = self._layer_keys.get(layer, ())
+        if not (self.set_ahead and mine) or asked < SET_AHEAD_SHARE * len(mine):
+            return []
+        later = [n for n in self._layer_keys if n > layer]
+        if not later:
+            return []
+        started = self.prefetch(self._layer_keys[min(later)])
+        self.stats.set_ahead += len(started)
+        return started
+
+    def close(self) -> None:
+        """Stop the answer-copy threads (the reader is closed by whoever opened it)."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
 
     def _answer_buffers(self, n: int) -> list[np.ndarray]:
         """Per stack a [n, expert_bytes] buffer for a host call's answer. Small answers (decode: 1, 2 or K rows)
