@@ -39,10 +39,11 @@ from jds41.tiers.experts import prefetch_experts
 
 
 def _attention_blocks(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: list, xs: dict, shared_in: dict,
-                      feature: bool, keep_small: bool = False):
-    """Layer lp over the N blocks in order: Engram, the attention sublayer for W rows at a time, the FFN's input and
-    routing. Returns (layer state after the group, per-block outputs [N, W, ...]; with `keep_small` also the
-    compressor leaves after each row, "small", that a rollback takes)."""
+                      feature: bool, keep_small: bool = False, n_valid=None):
+    """Layer lp over the N blocks in order (the first n_valid of them when given, a traced count: the layer state
+    advances by those blocks' rows only, the outputs of the others are zero): Engram, the attention sublayer for W
+    rows at a time, the FFN's input and routing. Returns (layer state after the group, per-block outputs
+    [N, W, ...]; with `keep_small` also the compressor leaves after each row, "small", that a rollback takes)."""
     cfg = plan.cfg
     w = params["blocks"][lp.index]
     source_st = layers[lp.kv_source] if 0 <= lp.kv_source != lp.index else None
@@ -78,18 +79,20 @@ def _attention_blocks(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: 
         return new_st[lp.index], {"x": x, "pre": pre_f, "post": post_f, "comb": comb_f, "h": h_f, "idx": r.idx_K,
                                   "weight": r.weight_K, "swaps": r.swaps, "guess": guess, "shared": new_keys, **extra}
 
-    return jax.lax.scan(body, layers[lp.index], {**xs, "shared": shared_in})
+    return PF.row_loop(body, layers[lp.index], {**xs, "shared": shared_in}, n_valid)
 
 
-def _ffn_blocks(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict, tile: int = 0) -> jax.Array:
+def _ffn_blocks(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict, tile: int = 0, n_valid=None) -> jax.Array:
     """Routed + shared experts and the FFN's mHC expand, W rows at a time, from the group's union -> [N, W, H, D].
     `tile` 0: each row's experts by decode's per-row products; >= 2: the whole group's routed experts grouped by
-    expert in tiles of that many rows (layers/grouped_experts.py, the wide prompt pass)."""
+    expert in tiles of that many rows (layers/grouped_experts.py, the wide prompt pass). `n_valid` (traced): only
+    the first n_valid blocks were read; the others add no expert to the union, no pair to a tile, and are not
+    computed (their rows stay zero)."""
     cfg = plan.cfg
     limit = cfg.swiglu_limit[lp.index]
     N, W, K = a["idx"].shape
-    if "routed" in w:
-        stacks, idx = PF.routed_stacks(w["routed"], a["idx"].reshape(N * W, K))
+    if "routed" in w:  # blocks never read are replaced by block 0 for the union: they bring no expert of their own
+        stacks, idx = PF.routed_stacks(w["routed"], PF._valid_rows(a["idx"], n_valid).reshape(N * W, K))
         idx = idx.reshape(N, W, K)
     else:
         stacks, idx = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), a["idx"]
@@ -97,7 +100,8 @@ def _ffn_blocks(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict, tile: int 
     if tile:
         D = a["h"].shape[-1]
         routed = grouped_routed_experts(a["h"].reshape(N * W, D), *stacks, idx.reshape(N * W, K),
-                                        a["weight"].reshape(N * W, K), limit, tile).reshape(N, W, D)
+                                        a["weight"].reshape(N * W, K), limit, tile,
+                                        None if n_valid is None else n_valid * W).reshape(N, W, D)
 
     def body(_, b):
         if tile:
@@ -112,19 +116,23 @@ def _ffn_blocks(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, a: dict, tile: int 
     blocks = {"h": a["h"], "idx": idx, "weight": a["weight"], "x": a["x"], "post": a["post"], "comb": a["comb"]}
     if tile:
         blocks["routed"] = routed
-    return jax.lax.scan(body, None, blocks)[1]
+    return PF.row_loop(body, None, blocks, n_valid)[1]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5, 6, 7, 8), donate_argnums=2)
 def prefill_layer_major_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: jax.Array,
                              engram_rows_NW=None, trace_routing: bool = False,
-                             feature_layers: tuple[int, ...] = (), tile: int = 0, last_logits: bool = False):
+                             feature_layers: tuple[int, ...] = (), tile: int = 0, last_logits: bool = False,
+                             n_valid=None):
     """`block_step.prefill_rows`' contract, layer-major: (logits [N*W, V], state[, routing][, features]). `tile` >= 2
     is the wide prompt pass: routed experts grouped by expert, every other product a row-batched `dot` (its own
     bits, the same for any cut). `last_logits`: logits [1, V] of the last row only, from a head run on the last
-    block alone (the same kernels as every block's head, so the same bits as the last row of all the logits)."""
+    block alone (the same kernels as every block's head, so the same bits as the last row of all the logits).
+    `n_valid` (traced): only the first n_valid blocks are read (a group shorter than the program: the wide pass's
+    tail, jds41/prompt_pieces.py WIDE_TAIL); the per-row outputs of the other blocks are zero, `last_logits` is
+    the last read row's, and the state advances by n_valid * W positions."""
     logits, state, _small, *extra = _layer_major_rows(plan, params, state, tokens_NW, engram_rows_NW, trace_routing,
-                                                      feature_layers, tile, False, last_logits)
+                                                      feature_layers, tile, False, last_logits, n_valid)
     return (logits, state, *extra)
 
 
@@ -147,17 +155,19 @@ def prefill_wide_rest(plan: M.ModelPlan, params: dict, state: dict, tokens_W: ja
 
 def _layer_major_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: jax.Array, engram_rows_NW,
                       trace_routing: bool, feature_layers: tuple[int, ...], tile: int, keep_small: bool,
-                      last_logits: bool = False):
+                      last_logits: bool = False, n_valid=None):
     """(logits [N*W, V] or [1, V], state, small (per layer, leaves [W, ...] of the last block; None without
     keep_small)[, routing][, features]). A tile (the wide pass) traces every one-token product as a `dot`."""
+    if keep_small and n_valid is not None:
+        raise ValueError("_layer_major_rows: the last block's small leaves are kept only for a full group")
     with rows_as_dots() if tile else contextlib.nullcontext():
         return _layers_and_head(plan, params, state, tokens_NW, engram_rows_NW, trace_routing, feature_layers, tile,
-                                keep_small, last_logits)
+                                keep_small, last_logits, n_valid)
 
 
 def _layers_and_head(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: jax.Array, engram_rows_NW,
                      trace_routing: bool, feature_layers: tuple[int, ...], tile: int, keep_small: bool,
-                     last_logits: bool):
+                     last_logits: bool, n_valid=None):
     cfg = plan.cfg
     N, W = tokens_NW.shape
     pos = state["pos"] + jnp.arange(N * W, dtype=jnp.int32).reshape(N, W)
@@ -176,7 +186,7 @@ def _layers_and_head(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: ja
         if lp.engram_slot >= 0:
             xs["engram"] = engram_rows_NW[:, :, lp.engram_slot]
         layers[lp.index], a = _attention_blocks(plan, lp, params, layers, xs, PF._shared_inputs(lp, produced),
-                                                lp.index in feature_layers, keep_small)
+                                                lp.index in feature_layers, keep_small, n_valid)
         produced.update(a["shared"])
         if keep_small:
             small.append(jax.tree.map(lambda v: v[-1], a["small"]))
@@ -184,21 +194,33 @@ def _layers_and_head(plan: M.ModelPlan, params: dict, state: dict, tokens_NW: ja
             features[lp.index] = a["feature"]
         nxt = lp.index + 1
         if plan.lookahead and nxt < cfg.n_layers and "routed" in params["blocks"][nxt]:
-            prefetch_experts(params["blocks"][nxt]["routed"], a["guess"].reshape(-1))
-        x, pre_prev = _ffn_blocks(plan, lp, w, a, tile), a["pre"]
+            # guesses of blocks never read are block 0's: they start no read of their own
+            prefetch_experts(params["blocks"][nxt]["routed"], PF._valid_rows(a["guess"], n_valid).reshape(-1))
+        x, pre_prev = _ffn_blocks(plan, lp, w, a, tile, n_valid), a["pre"]
         for k, v in (("experts", a["idx"]), ("swaps", a["swaps"]), ("predicted_next", a["guess"])):
             trace[k].append(v)
 
     def head_block(b):
         return jax.vmap(lambda x_HD, p: M.output_head(cfg, params, x_HD, p))(*b)
 
-    if not tile:  # the decode width's bits: those of block_step.prefill_rows
+    def wide_head(b):  # islands in every spelling: one block alone compiles to the kernels of any block
+        return island(head_block(island(b)))
+
+    if not tile and n_valid is None:  # the decode width's bits: those of block_step.prefill_rows
         logits = jax.lax.map(head_block, (x, pre_prev))
-    elif last_logits:  # islands in both spellings: the last block alone compiles to the kernels of any block
-        logits = jax.lax.map(lambda b: island(head_block(island(b))), (x[-1:], pre_prev[-1:]))[0, -1:]
-    else:
-        logits = jax.lax.map(lambda b: island(head_block(island(b))), (x, pre_prev))
-    out = (logits.reshape(-1, logits.shape[-1]), {"pos": state["pos"] + N * W, "layers": layers},
+    elif not tile:
+        logits = PF.row_loop(lambda _, b: (None, head_block(b)), None, (x, pre_prev), n_valid)[1]
+    elif last_logits and n_valid is None:
+        logits = jax.lax.map(wide_head, (x[-1:], pre_prev[-1:]))[0, -1:]
+    elif last_logits:  # the last READ block: a dynamic index, then the same one-block map
+        last = jax.tree.map(lambda v: jax.lax.dynamic_slice_in_dim(v, n_valid - 1, 1), (x, pre_prev))
+        logits = jax.lax.map(wide_head, last)[0, -1:]
+    elif n_valid is None:
+        logits = jax.lax.map(wide_head, (x, pre_prev))
+    else:  # blocks never read stay zero
+        logits = PF.row_loop(lambda _, b: (None, wide_head(b)), None, (x, pre_prev), n_valid)[1]
+    read = N * W if n_valid is None else n_valid * W
+    out = (logits.reshape(-1, logits.shape[-1]), {"pos": state["pos"] + read, "layers": layers},
            small if keep_small else None)
     flat = functools.partial(jax.tree.map, lambda a: a.reshape((N * W, *a.shape[2:])))
     if trace_routing:

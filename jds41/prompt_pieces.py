@@ -13,11 +13,18 @@ bit-identical to decoding the prompt one token at a time at width W (row uniform
 with tiered experts the blocks of a group run layer-major (jds41/layer_major_rows.py), the same bits.
 `chunk` 0 is the reference path: every piece is token-major (width 1) or a single width-W step.
 
-With a prompt width R (ModelPlan.prompt_width >= 2) none of that: pieces of whole R-row blocks ("wide", groups of
-up to `chunk` tokens in power-of-two block counts), each read layer-major with the group's routed experts grouped by
-expert, and the last n % R tokens as one R-row block rolled back to them ("wide-rest"). Every row of that pass is
-the same whatever block, group or piece it is read in, so any cut of a prompt, a prefix-cache resume included,
-gives the same bits (tests/test_prompt_width.py); they are not decode's bits (layers/grouped_experts.py).
+With a prompt width R (ModelPlan.prompt_width >= 2) none of that: pieces of whole R-row blocks, each read
+layer-major with the group's routed experts grouped by expert: full groups of `chunk_tokens(chunk, R)` tokens
+("wide"), then the remaining whole blocks, if any, as one group read by the full group's program with a traced
+block count ("wide-tail": its loops run only the read blocks, blocks never read add no expert to the union), then
+the last n % R tokens as one R-row block rolled back to them ("wide-rest"). So a prompt of any length runs at most
+three wide programs: one such program of the full-size model took ~150 s to compile on the H200, and the
+power-of-two groups the rest was cut into before compiled one each (a 55,296-token prompt two, a server's warm-up
+seven). The full group keeps its own program (a scan of a static N blocks) rather than the tail's loop of a
+traced count: XLA:GPU runs a loop of unknown trip count with a host round trip per trip. Every row of that pass
+is the same whatever block, group or piece it is read in, so any cut of a prompt, a prefix-cache resume
+included, gives the same bits (tests/test_prompt_width.py, tests/test_wide_tail.py); they are not decode's bits
+(layers/grouped_experts.py).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from jds41.layer_major_rows import prefill_layer_major_rows, prefill_wide_rest
 SCAN_PIECE = 32  # tokens per token-major scan call: one compiled program serves every prompt length
 TAIL = "layer-major-tail"  # a layer-major group shorter than the chunk, read by the chunk-sized program
 WIDE_REST = "wide-rest"  # the last n % R tokens of a wide-pass prompt: one R-row block, rolled back to them
+WIDE_TAIL = "wide-tail"  # the whole R-row blocks after a wide prompt's full groups, read by the full group's program
 ROWS_MIN_BLOCKS = 8  # the smallest prefill_rows piece, in blocks; shorter remainders run one position at a time
 
 
@@ -47,13 +55,14 @@ def chunk_tokens(chunk: int, width: int) -> int:
 def prompt_pieces(n_tokens: int, width: int, chunk: int, tiered: bool = False,
                   prompt_width: int = 0) -> list[tuple[str, int]]:
     """[(how, tokens)] in order, how in "layer-major", TAIL, "scan", "rows", "layer-major-rows", "step" (one token),
-    or with a `prompt_width` R: "wide" and WIDE_REST. At width W > 1 the groups of blocks run layer-major
-    ("layer-major-rows": each layer's experts moved once per group) when experts are `tiered`, else block after
-    block ("rows"); both give the same bits."""
+    or with a `prompt_width` R: "wide", WIDE_TAIL and WIDE_REST. At width W > 1 the groups of blocks run
+    layer-major ("layer-major-rows": each layer's experts moved once per group) when experts are `tiered`, else
+    block after block ("rows"); both give the same bits."""
     if prompt_width:
         R = prompt_width
-        blocks = PF.plan_pieces(n_tokens // R, chunk_tokens(chunk, R) // R or 1, 1)[0]
-        pieces = [("wide", b * R) for b in blocks]
+        group = chunk_tokens(chunk, R) or R  # chunk 0: one block per group, never a tail
+        full, tail = divmod(n_tokens - n_tokens % R, group)
+        pieces = [("wide", group)] * full + ([(WIDE_TAIL, tail)] if tail else [])
         return pieces + ([(WIDE_REST, n_tokens % R)] if n_tokens % R else [])
     if width == 1:
         if tiered and chunk > 0:  # full chunks, then (below) the rest as one TAIL group
@@ -79,7 +88,7 @@ def piece_lengths(longest: int, width: int, chunk: int, tiered: bool = False, pr
     first: dict[tuple[str, int], int] = {}
     for n in range(1, longest + 1):
         for how, m in prompt_pieces(n, width, chunk, tiered, prompt_width):
-            first.setdefault((how, 0 if how in (TAIL, WIDE_REST) else m), n)  # every tail runs one program
+            first.setdefault((how, 0 if how in (TAIL, WIDE_TAIL, WIDE_REST) else m), n)  # every tail: one program
     return sorted(set(first.values()))
 
 
@@ -92,9 +101,12 @@ def run_piece(plan: M.ModelPlan, params: dict, state: dict, how: str, tokens: li
               chunk: int = 0):
     """One piece: (logits [n, V], state[, routing][, features]), per-token outputs with a leading n axis. Without
     `all_logits` a layer-major piece gives the last token's logits only ([1, V]: its output head runs once, not
-    n times); other pieces give all n. A TAIL piece runs in the program of a `chunk`-token group."""
+    n times); other pieces give all n. A TAIL or WIDE_TAIL piece runs in the program of a `chunk`-token group."""
     if how == TAIL:
         return _run_tail(plan, params, state, tokens, engram_rows, trace_routing, feature_layers, all_logits, chunk)
+    if how == WIDE_TAIL:
+        return _run_wide_tail(plan, params, state, tokens, engram_rows, trace_routing, feature_layers, all_logits,
+                              chunk)
     if how == WIDE_REST:
         return _run_wide_rest(plan, params, state, tokens, engram_rows, trace_routing, feature_layers)
     toks = jnp.asarray(tokens, jnp.int32)
@@ -138,6 +150,22 @@ def _run_wide_rest(plan: M.ModelPlan, params: dict, state: dict, tokens: list[in
     out = prefill_wide_rest(plan, params, state, toks, engram_rows, jnp.int32(n), trace_routing, feature_layers)
     cut = functools.partial(jax.tree.map, lambda a: np.asarray(a)[:n])
     return (cut(out[0]), out[1], *(cut(e) for e in out[2:]))
+
+
+def _run_wide_tail(plan: M.ModelPlan, params: dict, state: dict, tokens: list[int], engram_rows, trace_routing: bool,
+                   feature_layers: tuple[int, ...], all_logits: bool, chunk: int):
+    """A WIDE_TAIL piece: n whole R-row blocks padded to the full group's blocks (`chunk_tokens(chunk, R)` rows),
+    read by prefill_layer_major_rows with n_valid = n / R blocks. Per-row outputs are cut to n rows on the host."""
+    n, R = len(tokens), plan.prompt_width
+    group = chunk_tokens(chunk, R)
+    if not (0 < n <= group and n % R == 0):
+        raise ValueError(f"a {n}-token wide tail is not whole {R}-row blocks within a {group}-token group")
+    toks, engram_rows = _padded(tokens, engram_rows, group)
+    logits, state, *extra = prefill_layer_major_rows(plan, params, state, _blocks(toks, R), _blocks(engram_rows, R),
+                                                     trace_routing, feature_layers, R, not all_logits,
+                                                     jnp.int32(n // R))
+    cut = functools.partial(jax.tree.map, lambda a: np.asarray(a)[:n])
+    return (cut(logits) if all_logits else logits, state, *(cut(e) for e in extra))
 
 
 def _run_tail(plan: M.ModelPlan, params: dict, state: dict, tokens: list[int], engram_rows, trace_routing: bool,

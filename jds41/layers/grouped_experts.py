@@ -50,9 +50,12 @@ def tile_plan(idx_P: jax.Array, n_experts: int, tile: int):
 
 
 def grouped_routed_experts(x_TD: jax.Array, gate_exps, up_exps, down_exps, idx_TK: jax.Array, weight_TK: jax.Array,
-                           limit, tile: int) -> jax.Array:
+                           limit, tile: int, n_valid=None) -> jax.Array:
     """Sum of each token's K routed experts -> [T, D] f32, computed expert by expert in `tile`-row tiles.
-    gate/up_exps [E, F, D], down_exps [E, D, F] QTensors; idx_TK indexes them (any id in [0, E))."""
+    gate/up_exps [E, F, D], down_exps [E, D, F] QTensors; idx_TK indexes them (any id in [0, E)). `n_valid`
+    (traced): only the first n_valid tokens are computed; the pairs of the others get expert id E, which tile_plan
+    counts for no expert (sorted after every real pair, in no tile), so they cost no tile and their rows stay zero.
+    A valid pair's result is the same (a row of a `dot` depends on its own input row only)."""
     if tile < 2:
         raise ValueError(f"a grouped tile needs at least 2 rows (XLA:CPU runs one row as another kernel), got {tile}")
     T, K = idx_TK.shape
@@ -60,6 +63,8 @@ def grouped_routed_experts(x_TD: jax.Array, gate_exps, up_exps, down_exps, idx_T
     E = gate_exps.data.shape[0]
     x_TD = jnp.asarray(x_TD, jnp.float32)
     idx_P = jnp.asarray(idx_TK, jnp.int32).reshape(P)
+    if n_valid is not None:
+        idx_P = jnp.where(jnp.arange(P) < n_valid * K, idx_P, E)
     weight_P = jnp.asarray(weight_TK, jnp.float32).reshape(P)
     order, n_tiles, tile_expert, tile_start, tile_rows = tile_plan(idx_P, E, tile)
     row = jnp.arange(tile, dtype=jnp.int32)
