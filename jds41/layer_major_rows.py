@@ -15,6 +15,13 @@ prefill.layer_major is bit-identical to the token-major scan: every row goes thr
 over W rows; a layer whose kv source is an earlier layer reads that source's compressed rows after the whole group,
 where rows of later positions are masked by position; and a row's experts are gathered by position from a larger
 union stack holding the same raw bytes (tests/test_block_step.py checks logits, routing, features and state).
+
+A group shorter than its program (`n_valid`, traced: the wide pass's tail, jds41/prompt_pieces.py WIDE_TAIL) runs
+the same block bodies for its first n_valid blocks only (prefill.row_loop), so the layer state advances by those
+rows alone; the blocks after them are replaced by block 0 in the routing the union and the look-ahead read, and
+their (token, expert) pairs go to no grouped tile, so they move no expert and cost no expert product. Each read row
+gets the bits it gets in a group of exactly its blocks (tests/test_wide_tail.py): every product it goes through is
+row-local (rows of a `dot`, a union stack of the same bytes, a tile whatever its other pairs).
 """
 
 from __future__ import annotations

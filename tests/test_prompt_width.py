@@ -1,5 +1,5 @@
-"""The wide prompt pass (ModelPlan.prompt_width; jds41/prompt_pieces.py "wide" and WIDE_REST): prompts read in
-R-row blocks, layer-major, with grouped expert products.
+"""The wide prompt pass (ModelPlan.prompt_width; jds41/prompt_pieces.py "wide", WIDE_TAIL and WIDE_REST): prompts
+read in R-row blocks, layer-major, with grouped expert products.
 
 Its promise is that a position's bits do not depend on how the prompt was cut: whole, in arbitrary feeds, with
 or without layer-major groups (chunk 0: one block per piece), resumed from a prefix-cache snapshot, through tiered
@@ -46,14 +46,13 @@ def _assert_same_state(got, want):
 
 
 def test_the_wide_piece_plan():
-    rest = PP.WIDE_REST
-    assert PP.prompt_pieces(77, 1, 32, prompt_width=8) == [("wide", 32), ("wide", 32), ("wide", 8), (rest, 5)]
+    rest, tail = PP.WIDE_REST, PP.WIDE_TAIL
+    assert PP.prompt_pieces(77, 1, 32, prompt_width=8) == [("wide", 32), ("wide", 32), (tail, 8), (rest, 5)]
     assert PP.prompt_pieces(5, 5, 32, tiered=True, prompt_width=8) == [(rest, 5)]
     assert PP.prompt_pieces(24, 1, 0, prompt_width=8) == [("wide", 8)] * 3  # chunk 0: one block per piece
-    assert PP.prompt_pieces(4096 + 200, 1, 4096, prompt_width=64) == [("wide", 4096), ("wide", 128),
-                                                                      ("wide", 64), (rest, 8)]
-    # every rest runs one program: the warm-up reads one rest, and each power-of-two group once
-    assert PP.piece_lengths(64, 1, 32, prompt_width=8) == [1, 8, 16, 32]
+    assert PP.prompt_pieces(4096 + 200, 1, 4096, prompt_width=64) == [("wide", 4096), (tail, 192), (rest, 8)]
+    # every rest runs one program, and so does every tail: the warm-up reads one rest, one tail and one full group
+    assert PP.piece_lengths(64, 1, 32, prompt_width=8) == [1, 8, 32]
     with pytest.raises(ValueError, match="prompt_width"):  # a grouped tile needs 2 rows
         M.make_plan(preset("deepseek41", "tiny"), 64, prompt_width=1)
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax import monitoring
 
+from jds41 import prompt_pieces as PP
 from jds41 import scheduler as S
 from jds41.engine import Engine
 
@@ -49,8 +50,9 @@ SPLIT = {"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3, "placement_so
 @pytest.mark.parametrize("width,tiered,prompt_width", [(1, False, 0), (2, False, 0), (1, True, 0), (1, False, 8)])
 def test_after_warmup_no_prompt_length_compiles(synthetic_model, tmp_path, width, tiered, prompt_width):
     """Tiered (chunk 128, so a 256-token feed is two groups): the rest after full chunks is a tail group of any
-    length from 64 up (70, 64, 150's 22 tokens stay token-major), one program for every length. Prompt width 8:
-    power-of-two groups of 8-row blocks and one rest program for every n % 8."""
+    length from 64 up (70, 64, 150's 22 tokens stay token-major), one program for every length. Prompt width 8
+    (chunk 4096, longer than any feed): every run of whole 8-row blocks is a tail read by the group's program, and
+    one rest program serves every n % 8, so the warm-up feeds one prompt per program."""
     profile = None
     if tiered:
         profile = tmp_path / "split3.json"
@@ -59,6 +61,10 @@ def test_after_warmup_no_prompt_length_compiles(synthetic_model, tmp_path, width
                          prompt_width=prompt_width,
                          profile=None if profile is None else str(profile), prefill_chunk=128 if tiered else 4096)
     sched = S.Scheduler(engine, n_slots=2)
+    if prompt_width:
+        lengths = sched._prompt_lengths()
+        pieces = {p for n in lengths for p in PP.prompt_pieces(n, width, engine.prefill_chunk, tiered, prompt_width)}
+        assert {how for how, _ in pieces} == {PP.WIDE_TAIL, PP.WIDE_REST} and len(lengths) == 2
     sched.warmup()
     before = COMPILES[0]
     sched.start()
