@@ -150,7 +150,7 @@ def _moved(tiers, how: str, width: int, experts_TLK: np.ndarray) -> dict:
         blocks = [PF.moved_bytes(tiers, b) for b in experts_TLK.reshape(-1, width, *experts_TLK.shape[1:])]
         return {k: sum(b[k] for b in blocks) for k in blocks[0]}
     m = PF.moved_bytes(tiers, experts_TLK)
-    group = how.startswith("layer-major") or how.startswith("wide")
+    group = how.startswith("layer-major") or how.startswith("wide")  # "wide", wide-tail and wide-rest: one union
     return m if group else {**m, "host": m["host_token_major"], "ssd": m["ssd_token_major"]}
 
 

@@ -21,10 +21,10 @@ the last n % R tokens as one R-row block rolled back to them ("wide-rest"). So a
 three wide programs: one such program of the full-size model took ~150 s to compile on the H200, and the
 power-of-two groups the rest was cut into before compiled one each (a 55,296-token prompt two, a server's warm-up
 seven). The full group keeps its own program (a scan of a static N blocks) rather than the tail's loop of a
-traced count: XLA:GPU runs a loop of unknown trip count with a host round trip per trip. Every row of that pass
-is the same whatever block, group or piece it is read in, so any cut of a prompt, a prefix-cache resume
-included, gives the same bits (tests/test_prompt_width.py, tests/test_wide_tail.py); they are not decode's bits
-(layers/grouped_experts.py).
+traced count: XLA:GPU's while thunk reads a loop's condition back to the host every trip unless the trip count
+is known (its cost on the full model is not measured). Every row of that pass is the same whatever block, group
+or piece it is read in, so any cut of a prompt, a prefix-cache resume included, gives the same bits
+(tests/test_prompt_width.py, tests/test_wide_tail.py); they are not decode's bits (layers/grouped_experts.py).
 """
 
 from __future__ import annotations
