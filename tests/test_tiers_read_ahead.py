@@ -102,6 +102,7 @@ ALL_SSD = {"name": "all-ssd", "tier0_bytes": 0.0, "tier1_bytes": 0.0, "placement
            "slot_cache_slots": 8}
 
 
+@pytest.mark.slow  # two tiered engines' compiles (~40 s each on 2 cores); CI runs it with the slow files
 @pytest.mark.parametrize("prompt_width", [0, 8])
 def test_the_read_ahead_keeps_the_bits_of_a_tiered_prefill(synthetic_model, tmp_path, prompt_width):
     """Layer-major groups (width 1) and the wide pass, every expert on the SSD with a slot per expert: the same
