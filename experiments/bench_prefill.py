@@ -181,11 +181,13 @@ class EngramReads:
     def __exit__(self, *exc):
         del self.engine.engram_rows  # the instance attribute: the method shows through again
 
-    def report(self) -> dict | None:
+    def report(self, session) -> dict | None:
+        """`wait_s`: how long the feed waited for the read-ahead thread's rows (Session.engram_wait_s): the part
+        of the reads that did not overlap the pieces, besides the first piece's read (`first_read_s`)."""
         if self.source is None:
             return None
         return {"source": type(self.source).__name__, "calls": self.calls, "read_s": round(self.seconds, 4),
-                "first_read_s": round(self.first_s or 0.0, 4),
+                "first_read_s": round(self.first_s or 0.0, 4), "wait_s": round(session.engram_wait_s, 4),
                 "rows_read": getattr(self.source, "rows_read", 0) - self._rows0}
 
 
@@ -198,6 +200,7 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
     ssd = tiers.stores.ssd if tiers is not None else None
     ssd_before = ssd.stats.bytes if ssd is not None else 0
     slots_before = ssd.stats.to_dict() if ssd is not None else None
+    reader_before = tiers.reader.stats.to_dict() if tiers is not None else None
     session = engine.session()
     traces = _traced(session)
     session.trace_routing = _traces(engine)
@@ -230,7 +233,8 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
             "of_roofline": round(tok_s / roof["tok_s_overlapped"], 4) if roof["tok_s_overlapped"] else None,
             "vs_llamacpp_8l_host_experts": round(tok_s / LLAMACPP_8L["host_experts_tok_s"], 3),
             "tier_stats": tiers.stats() if tiers is not None else None, "device_peak_bytes": _device_peak_bytes(),
-            "engram_read": engram.report(), "slot_cache_feed": _delta(slots_before, ssd),
+            "engram_read": engram.report(session), "slot_cache_feed": _delta(slots_before, ssd),
+            "reader_feed": _reader_delta(reader_before, tiers, seconds),
             "whole_host_stack": any(b["routed"].host_whole for b in engine.params["blocks"] if "routed" in b),
             "host_stack_ahead": HOST_STACK_AHEAD}
 
@@ -245,6 +249,19 @@ def _delta(before: dict | None, ssd) -> dict | None:
     keys = ("host_calls", "host_call_s", "stall_s", "copy_s", "bytes", "misses", "prefetches", "set_ahead",
             "prefetch_used")
     return {k: round(now[k] - before[k], 4) if isinstance(now[k], float) else now[k] - before[k] for k in keys}
+
+
+def _reader_delta(before: dict | None, tiers, seconds: float) -> dict | None:
+    """The O_DIRECT reader pool over the timed feed: bytes read and the seconds its threads spent in reads. Their
+    ratio is the rate the SSD gave while reading; bytes over the feed's wall time, the rate it was used at; read_s
+    over the wall time, how many reads were in flight on average (8 threads: at most 8)."""
+    if before is None:
+        return None
+    now = tiers.reader.stats.to_dict()
+    moved, busy = now["bytes_read"] - before["bytes_read"], now["read_s"] - before["read_s"]
+    return {"bytes": moved, "chunks": now["chunks"] - before["chunks"], "read_s": round(busy, 4),
+            "gb_s_while_reading": round(moved / busy / 1e9, 3) if busy else None,
+            "gb_s_over_feed": round(moved / seconds / 1e9, 3), "reads_in_flight": round(busy / seconds, 2)}
 
 
 def _device_peak_bytes() -> int | None:

@@ -30,7 +30,7 @@ from jds41.checkpoints import open_model
 from jds41.errors import Jds41Error
 from jds41.layers.engram_rows import EngramHasher, MmapRowSource, read_step_rows
 from jds41.prompt_pieces import SCAN_PIECE as PREFILL_CHUNK  # noqa: F401  (re-exported)
-from jds41.prompt_pieces import chunk_tokens, prompt_pieces, run_piece
+from jds41.prompt_pieces import UNION_PIECES, chunk_tokens, prompt_pieces, run_piece
 from jds41.quant.planar import planar_params
 from jds41.quant.triton_matvec import planar_weights
 from jds41.tiers.experts import take_failure
@@ -188,7 +188,9 @@ class Session:
         self.cached_tokens = 0  # prompt tokens restored from the prefix cache instead of computed
         self.trace_routing = engine.tiers is not None  # pieces return their routing (tier stats; benchmarks)
         self._looked_up = False
-        self._next: list[int] | None = None  # tokens the caller will feed next (read_next)
+        self._next: list[int] | None = None  # tokens the caller will feed next (read_next), for their Engram rows
+        self._more_follows = False  # read_next said another feed comes right after this one (any model)
+        self.engram_wait_s = 0.0  # time feeds waited for a piece's Engram rows from the read-ahead thread
         self._kept_rows: tuple[list[int], tuple[int, ...], jax.Array | None] | None = None  # (after, tokens, rows)
 
     # ---- host-side inputs ----------------------------------------------------------------------------------
@@ -205,6 +207,7 @@ class Session:
         server's scheduler does, which would otherwise read each chunk's rows only once the chunk before is done.
         Nothing is read for a model without Engram."""
         self._next = [int(t) for t in tokens] if self.engine.engram is not None and len(tokens) else None
+        self._more_follows = len(tokens) > 0
 
     def _pieces(self, tokens: list[int]) -> Iterator[tuple[str, list[int], jax.Array | None]]:
         """(how, piece, Engram rows on the device) for each prompt piece of `tokens` (jds41/prompt_pieces.py).
@@ -233,6 +236,9 @@ class Session:
             at += n
         before = list(self.tokens)
         upcoming, self._next = self._next, None
+        more, self._more_follows = self._more_follows, False
+        if eng.tiers is not None:  # every pass but the last then reads the next one's first SSD layer ahead
+            eng.tiers.expect_union_passes(sum(how in UNION_PIECES for how, _, _ in pieces) + more)
         kept, self._kept_rows = self._kept_rows, None
         reads = [(start, n) for _, start, n in pieces] + ([(len(tokens), len(upcoming))] if upcoming else [])
 
@@ -256,7 +262,9 @@ class Session:
                 ahead = worker.submit(read, k + 1) if k + 1 < len(reads) else None
                 yield how, tokens[start:start + n], rows
                 if ahead is not None and k + 1 < len(pieces):
+                    t0 = time.perf_counter()
                     rows = ahead.result()  # re-raises the read's error (e.g. ExpertReadError) for this piece
+                    self.engram_wait_s += time.perf_counter() - t0
             if upcoming and ahead is not None:
                 try:
                     self._kept_rows = (before + tokens, tuple(upcoming), ahead.result())

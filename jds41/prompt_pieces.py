@@ -44,6 +44,10 @@ SCAN_PIECE = 32  # tokens per token-major scan call: one compiled program serves
 TAIL = "layer-major-tail"  # a layer-major group shorter than the chunk, read by the chunk-sized program
 WIDE_REST = "wide-rest"  # the last n % R tokens of a wide-pass prompt: one R-row block, rolled back to them
 WIDE_TAIL = "wide-tail"  # the whole R-row blocks after a wide prompt's full groups, read by the full group's program
+# The pieces whose routed experts move as one union per layer (prefill.py's group call): each is one pass over
+# the layers, which the SSD tier's read-ahead counts (SsdStore.expect_passes). WIDE_REST's one block may ask for
+# too few of a layer's experts to count as a pass; then the pass before it reads one layer it did not need to.
+UNION_PIECES = frozenset({"layer-major", TAIL, "layer-major-rows", "wide", WIDE_TAIL, WIDE_REST})
 ROWS_MIN_BLOCKS = 8  # the smallest prefill_rows piece, in blocks; shorter remainders run one position at a time
 
 

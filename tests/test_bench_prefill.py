@@ -41,6 +41,7 @@ def test_bench_all_hbm_lines_and_agent_turn(tmp_path, capsys):
     engram = prefill["engram_read"]  # one host read per piece, the first before any piece runs
     assert engram["calls"] == len(prompt_pieces(40, 1, 16, False, 0)) and engram["source"] == "MmapRowSource"
     assert 0 < engram["first_read_s"] <= engram["read_s"] < prefill["seconds"]
+    assert 0 <= engram["wait_s"] < prefill["seconds"]  # the feed's waits for the read-ahead thread's rows
     assert turn["kind"] == "agent_turn" and turn["cached_tokens"] == 24 and turn["prefix_cache"]["hits"] == 1
     assert turn["ttft_cached_s"] > 0 and turn["ttft_full_s"] > 0
     # conversation_read_s is rounded to 0.1 ms
@@ -77,3 +78,7 @@ def test_bench_measures_the_ssd_read_ahead_on_and_off(tmp_path):
         feed = run["slot_cache_feed"]
         assert feed["host_calls"] > 0 and feed["host_call_s"] >= feed["stall_s"] >= 0
         assert feed["host_calls"] <= run["tier_stats"]["ssd"]["slot_cache"]["host_calls"]  # the feed's share
+        # the reader pool read every byte the slot cache filled over the feed, alignment padding on top
+        reader = run["reader_feed"]
+        assert reader["bytes"] >= feed["bytes"] > 0 and reader["chunks"] > 0 and reader["read_s"] > 0
+        assert reader["gb_s_over_feed"] == pytest.approx(reader["bytes"] / run["seconds"] / 1e9, rel=0.02, abs=1e-3)

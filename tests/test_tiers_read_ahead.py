@@ -65,6 +65,32 @@ def test_a_union_starts_reading_the_next_ssd_layer_and_its_call_then_only_hits(q
         ssd.close()
 
 
+def test_a_pass_s_last_layer_reads_the_first_layer_ahead_only_when_another_pass_follows(q8):
+    """expect_passes(n): after each of the first n - 1 passes' last SSD layer the first SSD layer's set is read,
+    and the next pass's call there then only hits; the last pass, and any pass nobody announced, reads nothing."""
+    layout = ExpertLayout.from_model(q8)
+    E, first, last = layout.n_experts(0), layout.layers[0], layout.layers[-1]
+    every = np.arange(E)
+    with ExpertReader(layout, threads=2) as reader:
+        ssd = build_stores(layout, _all_on_ssd(layout), reader, n_slots=E).ssd
+        ssd.expect_passes(2)
+        ssd.fetch(last, every, np.ones(E, bool))
+        assert ssd.read_ahead(last, 1) == []  # a decode-sized ask is no pass and does not count one
+        assert ssd.read_ahead(last, E) == [(first, e) for e in range(E)]
+        misses = ssd.stats.misses
+        answer = ssd.fetch(first, every, np.ones(E, bool))
+        assert ssd.stats.misses == misses
+        for e in range(E):
+            for got, want in zip(answer, _expected(q8, layout, (first, e))):
+                np.testing.assert_array_equal(got[e].reshape(-1), want)
+        ssd.fetch(last, every, np.ones(E, bool))
+        assert ssd.read_ahead(last, E) == []  # the second pass was the last announced
+        ssd.expect_passes(3)
+        ssd.expect_passes(0)  # a later feed's count replaces an earlier one
+        assert ssd.read_ahead(last, E) == []
+        ssd.close()
+
+
 def test_a_read_ahead_waits_for_nothing_and_leaves_a_pinned_step_alone(q8):
     """With fewer free slots than the next layer has experts, the read-ahead takes what it can and stops: it never
     evicts what a running step has pinned."""
@@ -112,15 +138,40 @@ def test_the_read_ahead_keeps_the_bits_of_a_tiered_prefill(synthetic_model, tmp_
     engine = Engine.open(str(synthetic_model("deepseek41", "tiny", "q8")), max_ctx=128, prefill_chunk=32,
                          prompt_width=prompt_width, profile=str(profile))
     ssd = engine.tiers.stores.ssd
+    # what the feed announces, and each union call of the last SSD layer: asked, and whether it read ahead (the
+    # programs capture the bound method when they are traced, so this goes in before the first feed)
+    announced, last_calls, last = [], [], max(ssd._layer_keys)
+    expect, read_ahead = ssd.expect_passes, ssd.read_ahead
+    ssd.expect_passes = lambda n: (announced.append(n), expect(n))[1]
+
+    def recorded(layer, asked):
+        started = read_ahead(layer, asked)
+        if layer == last:
+            last_calls.append((asked >= S.SET_AHEAD_SHARE * len(ssd._layer_keys[last]), bool(started)))
+        return started
+
+    ssd.read_ahead = recorded
     tokens = np.random.default_rng(5).integers(8, 200, 70).tolist()
     runs = {}
     for on in (False, True):
         ssd.set_ahead = on
         before = dict(ssd.stats.to_dict())
+        del announced[:], last_calls[:]
         session = engine.session()
         runs[on] = (session.feed(tokens, all_logits=True), session.state)
         after = ssd.stats.to_dict()
         runs[on] += ({k: after[k] - before[k] for k in ("set_ahead", "prefetch_used", "misses")},)
+    # every announced pass ran (a pass-sized call of the last layer), and all but the last read the next one's
+    # first layer ahead
+    passes = [wrapped for is_pass, wrapped in last_calls if is_pass]
+    assert announced[0] >= 2 and len(passes) == announced[0]
+    assert passes == [True] * (announced[0] - 1) + [False]
+    # a caller that says more prompt follows (the scheduler's read_next) has the last pass read ahead too
+    del announced[:], last_calls[:]
+    more = engine.session()
+    more.read_next(tokens[:5])
+    np.testing.assert_array_equal(more.feed(tokens, all_logits=True), runs[True][0])
+    assert announced[0] == len(passes) + 1 and all(w for is_pass, w in last_calls if is_pass)
     np.testing.assert_array_equal(runs[True][0], runs[False][0])
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(runs[True][1]), jax.tree.leaves(runs[False][1]),
                             strict=True):

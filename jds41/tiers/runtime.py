@@ -73,6 +73,11 @@ class TierRuntime:
         keys = [(layer, int(e)) for layer, table in self.hash_tables.items() for t in tokens for e in table[int(t)]]
         self.stores.ssd.prefetch(keys)
 
+    def expect_union_passes(self, n: int) -> None:
+        """A feed about to run `n` union passes (SsdStore.expect_passes); nothing without an SSD tier."""
+        if self.stores.ssd is not None:
+            self.stores.ssd.expect_passes(n)
+
     def stats(self) -> dict:
         total = max(int(self.lookups.sum()), 1)
         scored = self.tokens * self.routing_k * self.n_scored_layers  # selections the lean could have changed
