@@ -239,16 +239,19 @@ def prefill_run(engine: Engine, profile: str, n: int, chunk: int, seed: int) -> 
             "host_stack_ahead": HOST_STACK_AHEAD}
 
 
+def _counted(before: dict, now: dict, keys) -> dict:
+    """What `keys` of a stats snapshot counted between `before` and `now` (floats rounded to 0.1 ms)."""
+    return {k: round(now[k] - before[k], 4) if isinstance(now[k], float) else now[k] - before[k] for k in keys}
+
+
 def _delta(before: dict | None, ssd) -> dict | None:
     """The SSD slot cache's counters over the timed feed alone (tier_stats counts since the engine opened, the
     warm-up included): how long its host calls took, how much of that was waiting for reads (stall) and copying
     answers out, and how many of its reads the next-layer read-ahead started."""
     if before is None:
         return None
-    now = ssd.stats.to_dict()
-    keys = ("host_calls", "host_call_s", "stall_s", "copy_s", "bytes", "misses", "prefetches", "set_ahead",
-            "prefetch_used")
-    return {k: round(now[k] - before[k], 4) if isinstance(now[k], float) else now[k] - before[k] for k in keys}
+    return _counted(before, ssd.stats.to_dict(), ("host_calls", "host_call_s", "stall_s", "copy_s", "bytes",
+                                                  "misses", "prefetches", "set_ahead", "prefetch_used"))
 
 
 def _reader_delta(before: dict | None, tiers, seconds: float) -> dict | None:
@@ -257,9 +260,9 @@ def _reader_delta(before: dict | None, tiers, seconds: float) -> dict | None:
     over the wall time, how many reads were in flight on average (8 threads: at most 8)."""
     if before is None:
         return None
-    now = tiers.reader.stats.to_dict()
-    moved, busy = now["bytes_read"] - before["bytes_read"], now["read_s"] - before["read_s"]
-    return {"bytes": moved, "chunks": now["chunks"] - before["chunks"], "read_s": round(busy, 4),
+    fed = _counted(before, tiers.reader.stats.to_dict(), ("bytes_read", "chunks", "read_s"))
+    moved, busy = fed["bytes_read"], fed["read_s"]
+    return {"bytes": moved, "chunks": fed["chunks"], "read_s": busy,
             "gb_s_while_reading": round(moved / busy / 1e9, 3) if busy else None,
             "gb_s_over_feed": round(moved / seconds / 1e9, 3), "reads_in_flight": round(busy / seconds, 2)}
 
