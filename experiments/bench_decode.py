@@ -349,6 +349,9 @@ def _count_compiles() -> int:
 
 
 def _tier_snapshot(engine) -> dict:
+    from jds41.engram_host_call import step_rows_fn
+    from jds41.native.engram_ffi import EngramFfi
+
     t = engine.tiers
     if t is None:
         return {}
@@ -360,7 +363,19 @@ def _tier_snapshot(engine) -> dict:
     src = engine.engram[1] if engine.engram is not None else None
     if src is not None and hasattr(src, "rows_read"):
         snap["engram_rows_read"] = src.rows_read
+        host_call = step_rows_fn(engine)
+        if isinstance(host_call, EngramFfi):  # the handler reads the file itself, behind its own row cache
+            snap["engram_rows_read"] += host_call.counters()["rows_read"]
     return snap
+
+
+def _engram_host(engine) -> str | None:
+    """Which form the step's Engram host call took (jds41.engram_host_call): "ffi", "callback", or None."""
+    from jds41.engram_host_call import step_rows_fn
+    from jds41.native.engram_ffi import EngramFfi
+
+    fn = step_rows_fn(engine)
+    return None if fn is None else "ffi" if isinstance(fn, EngramFfi) else "callback"
 
 
 def run_profile(path: str, name: str, args, usage_path: str | None, stream: list[int], prompt: list[int],
@@ -425,7 +440,7 @@ def run_profile(path: str, name: str, args, usage_path: str | None, stream: list
            "decode_tokens": n, "decode_tok_s": round(n / decode_s, 2),
            "decode_ms_per_token": round(1e3 * decode_s / n, 3),
            "predictions_sha256": hashlib.sha256(np.asarray(preds, np.int32).tobytes()).hexdigest()[:16],
-           "compiles_while_timed": compiles}
+           "compiles_while_timed": compiles, "engram_host": _engram_host(engine)}
     sb = state_bytes(s)
     if engine.tiers is None:
         expert = sum(engine.gguf.tensors[f"blk.{i}.ffn_{k}_exps.weight"].n_bytes for i in range(cfg.n_layers)

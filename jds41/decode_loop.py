@@ -5,10 +5,10 @@ hashing, tier bookkeeping). On a GPU that round trip is a host sync per token. H
 `lax.while_loop` over the same `model.step`: the argmax, the stop-token test and the context limit are device
 operations, so the host is only entered where it has to be:
 
-- Engram rows depend on the token ids alone; one host call per step (`io_callback`) hashes the newest n-gram
-  contexts and reads the rows from the engine's row source, and in the same call starts the SSD reads of the
-  hash-layer experts of the token about to be fed (exact prefetch, DESIGN.md §3/§4: one host call per step for
-  everything known from token ids). Models without Engram make no such call.
+- Engram rows depend on the token ids alone; one host call per step hashes the newest n-gram contexts and reads
+  the rows from the engine's row source (jds41.engram_host_call: an XLA FFI handler in C++, or a Python
+  `io_callback` that also starts the SSD reads of the hash-layer experts of the token about to be fed, exact
+  prefetch, DESIGN.md §3/§4). Models without Engram make no such call.
 - SSD experts still enter through the tiers' own host call inside the step, only on a miss.
 
 The loop feeds exactly the tokens `Session.generate` would feed (the last generated token and a stop token are
@@ -18,34 +18,16 @@ never fed), with the same per-token arithmetic, so its tokens equal the referenc
 from __future__ import annotations
 
 import functools
-import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from jds41 import model as M
 from jds41.block_step import step_at_width
-from jds41.layers.engram_rows import read_step_rows
+from jds41.engram_host_call import step_rows_fn
 
 MAX_STOP_IDS = 8  # stop ids are a fixed-size array (padded with -1) so the loop compiles once per model
-
-
-def _engram_fn(engine):
-    """Host callback: (newest token, previous n-1 tokens with -1 for "none", how many of them are real) -> the
-    token's Engram rows [n_layers, n_buckets, row_bytes] uint8; also starts the hash-layer experts' SSD reads."""
-    hasher, source = engine.engram
-    tiers = engine.tiers
-
-    def rows(tok, hist, n_hist):
-        tok, n_hist = int(tok), int(n_hist)
-        history = np.asarray(hist)[len(hist) - n_hist:] if n_hist else np.zeros((0,), np.int64)
-        if tiers is not None:
-            tiers.prefetch_tokens([tok])
-        return read_step_rows(source, hasher.row_ids_seq([tok], history))[0]
-
-    return rows
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=5)
@@ -70,10 +52,7 @@ def _loop(plan: M.ModelPlan, n_max: int, rows_fn, trace: bool, params, state, fi
 
     def body(c):
         st, tok, count, out, hist, n_hist, routing = c
-        rows = None
-        if rows_fn is not None:
-            shape = (len(cfg.engram.layer_ids), cfg.engram.n_buckets, cfg.engram.row_bytes)
-            rows = io_callback(rows_fn, jax.ShapeDtypeStruct(shape, jnp.uint8), tok, hist, n_hist, ordered=False)
+        rows = None if rows_fn is None else rows_fn(tok[None], hist, n_hist)[0]
         res = step_at_width(plan, params, st, tok, rows, trace)
         logits, st = res[0], res[1]
         pred = jnp.argmax(logits).astype(jnp.int32)  # first maximum, like numpy's argmax in engine.sample
@@ -113,7 +92,7 @@ def greedy_generate(session, first_token: int, max_new: int, stop_ids=(), n_max:
         raise ValueError(f"n_max {n_max} < max_new {max_new}")
     stop, stop_arr = stop_array(stop_ids)
     _, hist, n_hist = _history(session)
-    rows_fn = _rows_fn(eng) if eng.engram is not None else None
+    rows_fn = step_rows_fn(eng)
     trace = eng.tiers is not None
     out, count, state, routing = _loop(eng.plan, n_max, rows_fn, trace, eng.params, session.state,
                                        jnp.int32(first_token), hist, n_hist, stop_arr, jnp.int32(max_new))
@@ -139,7 +118,7 @@ def decode_forced(session, tokens) -> np.ndarray:
         raise ValueError("decode_forced needs at least 2 tokens")
     session._check(tokens[:-1])
     n_ctx, hist, n_hist = _history(session)
-    rows_fn = _rows_fn(eng) if eng.engram is not None else None
+    rows_fn = step_rows_fn(eng)
     trace = eng.tiers is not None
     stop = jnp.full((MAX_STOP_IDS,), -1, jnp.int32)
     out, count, state, routing = _loop(eng.plan, len(tokens), rows_fn, trace, eng.params, session.state,
@@ -163,13 +142,3 @@ def _history(session):
     if tail:
         hist[len(hist) - len(tail):] = tail
     return n_ctx, jnp.asarray(hist), jnp.int32(len(tail))
-
-
-_ROWS_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _rows_fn(engine):
-    """One callback object per engine, so the jitted loop (the callback is a static argument) compiles once."""
-    if engine not in _ROWS_FNS:
-        _ROWS_FNS[engine] = _engram_fn(engine)
-    return _ROWS_FNS[engine]

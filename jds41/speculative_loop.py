@@ -7,8 +7,9 @@ slower than plain decode's device loop (decode_loop.py). Here every verify step 
 `lax.while_loop` over the same functions:
 
 1. the drafter proposes `k` tokens from its window state (`propose`, no host round trip);
-2. one host call (`io_callback`, only for Engram models, exactly where decode_loop has its own) hashes and reads the
-   Engram rows of all k+1 block tokens and starts the SSD reads of their hash-layer experts;
+2. one host call (jds41.engram_host_call, only for Engram models, exactly where decode_loop has its own) hashes and
+   reads the Engram rows of all k+1 block tokens (the Python form also starts the SSD reads of their hash-layer
+   experts);
 3. `speculative.verify_block` feeds [last, d1..dk] through the target, layer-major or token-major as the session
    chose (`SpeculativeSession.verify`, a static argument of the loop; "auto" = layer-major when experts are tiered,
    so a block moves each host / SSD expert it needs once instead of once per position; both give the same values,
@@ -34,17 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from jds41 import model as M
 from jds41.block_step import step_at_width
 from jds41.decode_loop import _history, stop_array
-from jds41.layers.engram_rows import read_step_rows
+from jds41.engram_host_call import step_rows_fn
 from jds41.speculative import rollback, verify_block
 
 N_STATS = 5  # steps, drafted, accepted, emitted, plain_steps: DraftStats' counters, summed on the device
@@ -146,33 +145,6 @@ class ForcedDrafter:
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------------
-def _block_rows_fn(engine):
-    """Host callback: (block tokens [n], previous n-1 fed tokens with -1 for "none", how many are real) -> their
-    Engram rows [n, n_layers, n_buckets, row_bytes] uint8; also starts the block's hash-layer expert SSD reads
-    (exact prefetch of the draft tokens, DESIGN.md §3)."""
-    hasher, source = engine.engram
-    tiers = engine.tiers
-
-    def rows(block, hist, n_hist):
-        block, n_hist = [int(t) for t in np.asarray(block)], int(n_hist)
-        history = np.asarray(hist)[len(hist) - n_hist:] if n_hist else np.zeros((0,), np.int64)
-        if tiers is not None:
-            tiers.prefetch_tokens(block)
-        return read_step_rows(source, hasher.row_ids_seq(block, history))
-
-    return rows
-
-
-_ROWS_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _rows_fn(engine):
-    """One callback object per engine, so the jitted loop (the callback is a static argument) compiles once."""
-    if engine not in _ROWS_FNS:
-        _ROWS_FNS[engine] = _block_rows_fn(engine)
-    return _ROWS_FNS[engine]
-
-
 def _pad(x, n: int):
     """x [m, ...] -> [n, ...] with zeros after row m (fixed shapes for both lax.cond branches)."""
     return jnp.zeros((n, *x.shape[1:]), x.dtype).at[:x.shape[0]].set(x)
@@ -194,10 +166,7 @@ def _loop(plan: M.ModelPlan, draft, n_max: int, rows_fn, trace: bool, how: str, 
                "predicted_next": jnp.full((n_max + W, L, K), -1, jnp.int32)}
 
     def rows_of(block, hist, n_hist):
-        if rows_fn is None:
-            return None
-        shape = (block.shape[0], len(cfg.engram.layer_ids), cfg.engram.n_buckets, cfg.engram.row_bytes)
-        return io_callback(rows_fn, jax.ShapeDtypeStruct(shape, jnp.uint8), block, hist, n_hist, ordered=False)
+        return None if rows_fn is None else rows_fn(block, hist, n_hist)
 
     def verify(operands):
         st, dst, last, hist, n_hist = operands
@@ -277,7 +246,7 @@ def speculative_generate(session, drafter, first_token: int, max_new: int, stop_
     if int(spec.block_size) != session.k:
         raise ValueError(f"drafter block size {spec.block_size} != the session's {session.k}")
     _, hist, n_hist = _history(session)
-    rows_fn = _rows_fn(eng) if eng.engram is not None else None
+    rows_fn = step_rows_fn(eng)
     trace = eng.tiers is not None
     out, n_out, n_all, state, dstate, routing, stats = _loop(
         session.plan, spec, max_new, rows_fn, trace, session.verify_mode, eng.params, drafter.device_params(),

@@ -49,6 +49,7 @@ class SsdRowSource:
             info = model.tensors[f"blk.{layer}.engram_embd.weight"]
             self.tables.append((info.shard, info.offset, info.shape[0]))
         self.files = DirectFiles(direct=direct, read_fn=read_fn)
+        self.reads_files = read_fn is None  # reads go to the files themselves (an injected read_fn is a test's)
         self.pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="jds41-engram")
         # Direct-mapped: each (table, row) has one place, so a whole call's lookups and fills are a few numpy ops
         # under the lock. The LRU it replaced walked ~10^5 rows per prompt piece in Python (about 0.45 s per

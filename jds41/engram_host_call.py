@@ -1,0 +1,55 @@
+"""The step's Engram host call, as the device loops (decode_loop, speculative_loop) make it.
+
+A step feeds a block of tokens (one in decode, the verify block in speculative decode) whose Engram rows depend
+on token ids the device produced, so each step enters the host once. Two forms give the same bytes
+(tests/test_engram_ffi.py): the FFI handler of jds41/native (C++, no Python on the step's path) and a Python
+`io_callback`, which is kept where the handler has no form for the row source, and wherever an SSD expert tier
+with hash layers wants the same call to start its exact prefetch of the fed tokens' experts (DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from jds41.layers.engram_rows import read_step_rows
+from jds41.native.engram_ffi import engram_ffi_for
+
+
+class CallbackRows:
+    """The Python form: rows from the engine's row source, and the hash-layer experts' SSD reads started."""
+
+    def __init__(self, engine):
+        self.hasher, self.source = engine.engram
+        self.tiers = engine.tiers
+        e = self.hasher.ecfg
+        self.shape = (len(e.layer_ids), e.n_buckets, e.row_bytes)
+
+    def _host(self, block, hist, n_hist):
+        block, n_hist = [int(t) for t in np.asarray(block)], int(np.asarray(n_hist).reshape(-1)[0])
+        history = np.asarray(hist)[len(hist) - n_hist:] if n_hist else np.zeros((0,), np.int64)
+        if self.tiers is not None:
+            self.tiers.prefetch_tokens(block)
+        return read_step_rows(self.source, self.hasher.row_ids_seq(block, history))
+
+    def __call__(self, block, hist, n_hist):
+        out = jax.ShapeDtypeStruct((block.shape[0], *self.shape), jnp.uint8)
+        return io_callback(self._host, out, block, hist, n_hist, ordered=False)
+
+
+_STEP_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def step_rows_fn(engine):
+    """The engine's one host-call object (a static argument of the jitted loops, so they compile once per
+    engine): `fn(block [T], hist [n-1], n_hist)` -> uint8 [T, n_layers, n_buckets, row_bytes] inside jit;
+    None for a model without Engram."""
+    if engine.engram is None:
+        return None
+    if engine not in _STEP_ROWS:
+        _STEP_ROWS[engine] = engram_ffi_for(engine) or CallbackRows(engine)
+    return _STEP_ROWS[engine]
