@@ -2,9 +2,10 @@
 
 A step feeds a block of tokens (one in decode, the verify block in speculative decode) whose Engram rows depend
 on token ids the device produced, so each step enters the host once. Two forms give the same bytes
-(tests/test_engram_ffi.py): the FFI handler of jds41/native (C++, no Python on the step's path) and a Python
-`io_callback`, which is kept where the handler has no form for the row source, and wherever an SSD expert tier
-with hash layers wants the same call to start its exact prefetch of the fed tokens' experts (DESIGN.md §3).
+(tests/test_engram_ffi.py): the FFI handler of jds41/native (C++, no Python on the step's path; with an SSD expert
+tier it hands the fed token ids to a thread that starts their hash-layer experts' reads) and a Python
+`io_callback` (which does that prefetch inside the step), kept where the handler has no form for the row source or
+cannot be built, and on request (JDS41_ENGRAM_HOST=callback).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ jit, clear errors, and the device loops' tokens unchanged by which form the step
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,13 +139,45 @@ def test_the_loops_choose_the_handler_and_their_tokens_do_not_depend_on_it(path,
     assert out["ffi"][0] and len(out["ffi"][0]) == 24
 
 
-def test_an_ssd_expert_tier_with_hash_layers_keeps_the_callback(path, monkeypatch):
-    """Its exact prefetch of the fed tokens' hash-layer experts is Python (TierRuntime.prefetch_tokens)."""
-    monkeypatch.setenv("JDS41_ENGRAM_HOST", "ffi")
-    engine = Engine.open(str(path), max_ctx=64, profile="ssd-heavy")
-    assert engine.tiers.stores.ssd is not None and engine.tiers.hash_tables
-    assert isinstance(step_rows_fn(engine), CallbackRows)
-    engine.tiers.close()
+def test_the_token_feed_hands_every_fed_id_to_the_prefetch_thread(model, hasher):
+    """With a prefetch function (an SSD expert tier's), each call's non-negative token ids reach it on the
+    handler's thread, and closing the handler ends that thread."""
+    got, seen = [], threading.Event()
+
+    def prefetch(ids):
+        got.extend(ids)
+        if len(got) >= 7:
+            seen.set()
+
+    ffi = EngramFfi(hasher, MmapRowSource.from_model(model, hasher.ecfg), prefetch=prefetch)
+    ffi.host_rows([4, 9, 2], [1])
+    ffi.host_rows([-1, 6], [])
+    ffi.host_rows([8, 3, 5], [7, 7])
+    assert seen.wait(10)
+    assert got == [4, 9, 2, 6, 8, 3, 5]
+    thread = ffi._feed_thread
+    ffi.close()
+    assert not thread.is_alive()
+
+
+def test_an_ssd_expert_tier_with_hash_layers_feeds_its_prefetch(path, monkeypatch):
+    """The ssd-heavy profile (SSD experts, hash layers) takes the handler with the token feed, and its greedy
+    tokens equal the Python callback's (which prefetches inside the step)."""
+    prompt = [5, 17, 3, 99, 42, 7, 64, 12]
+    out = {}
+    for how in ("ffi", "callback"):
+        monkeypatch.setenv("JDS41_ENGRAM_HOST", how)
+        engine = Engine.open(str(path), max_ctx=64, profile="ssd-heavy")
+        assert engine.tiers.stores.ssd is not None and engine.tiers.hash_tables
+        fn = step_rows_fn(engine)
+        assert isinstance(fn, EngramFfi if how == "ffi" else CallbackRows)
+        s = engine.session()
+        out[how] = greedy_generate(s, int(np.argmax(s.feed(prompt))), 16)
+        if how == "ffi":
+            assert fn._feed_thread is not None and fn.counters()["calls"] >= 15
+            fn.close()
+        engine.tiers.close()
+    assert out["ffi"] == out["callback"]
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -118,6 +119,12 @@ struct Context {
   std::mutex cache_mu;
   std::unique_ptr<ReaderPool> pool;
   std::atomic<int64_t> rows_requested{0}, rows_read{0}, cache_hits{0}, calls{0};
+  // The token feed: every call's token ids, for a Python thread that starts the SSD reads of their hash-layer
+  // experts (TierRuntime.prefetch_tokens) beside the step instead of inside it.
+  bool feed_on = false, feed_closed = false;
+  std::deque<int32_t> feed;
+  std::mutex feed_mu;
+  std::condition_variable feed_cv;
   ~Context() {
     for (auto& t : tables)
       if (t.fd >= 0) close(t.fd);
@@ -262,12 +269,25 @@ std::string GatherRows(Context& c, const std::vector<int64_t>& ids, uint8_t* out
   return "";
 }
 
+constexpr size_t kFeedMax = 4096;  // a feed nobody reads keeps only its newest ids
+
+void Feed(Context& c, const int32_t* tokens, int T) {
+  {
+    std::lock_guard<std::mutex> g(c.feed_mu);
+    for (int t = 0; t < T; ++t)
+      if (tokens[t] >= 0) c.feed.push_back(tokens[t]);
+    while (c.feed.size() > kFeedMax) c.feed.pop_front();
+  }
+  c.feed_cv.notify_one();
+}
+
 // Hash and gather, host buffers in and out: shared by both platforms.
 std::string RowsOnHost(int64_t ctx_id, const int32_t* tokens, int T, const int32_t* hist, int hist_len,
                        int32_t n_hist, uint8_t* out, size_t out_bytes) {
   std::shared_ptr<Context> c = Find(ctx_id);
   if (!c) return "Engram FFI context " + std::to_string(ctx_id) + " is not registered (engine closed?)";
   c->calls += 1;
+  if (c->feed_on) Feed(*c, tokens, T);
   const size_t want = static_cast<size_t>(T) * c->n_layers * c->n_buckets * c->row_bytes;
   if (out_bytes != want)
     return "Engram FFI output holds " + std::to_string(out_bytes) + " bytes, the rows need " + std::to_string(want);
@@ -427,6 +447,38 @@ void jds41_engram_readers(int64_t id, int64_t cache_rows, int threads) {
   c->cache_keys.assign(std::max<int64_t>(1, cache_rows), -1);
   c->cache_data.assign(static_cast<size_t>(std::max<int64_t>(1, cache_rows)) * c->row_bytes, 0);
   c->pool = std::make_unique<ReaderPool>(std::max(1, threads));
+}
+
+// Turns the token feed on (before the first call).
+void jds41_engram_feed_on(int64_t id) {
+  std::shared_ptr<Context> c = Find(id);
+  if (c) c->feed_on = true;
+}
+
+// Waits up to `timeout_ms` for fed token ids and moves up to `max` of them to `out`: their count, 0 on timeout,
+// -1 once the feed is closed (or the context is gone). Called from Python through ctypes, which drops the GIL.
+int jds41_engram_feed_wait(int64_t id, int32_t* out, int max, int timeout_ms) {
+  std::shared_ptr<Context> c = Find(id);
+  if (!c) return -1;
+  std::unique_lock<std::mutex> g(c->feed_mu);
+  c->feed_cv.wait_for(g, std::chrono::milliseconds(timeout_ms), [&] { return c->feed_closed || !c->feed.empty(); });
+  if (c->feed_closed) return -1;
+  int n = 0;
+  while (n < max && !c->feed.empty()) {
+    out[n++] = c->feed.front();
+    c->feed.pop_front();
+  }
+  return n;
+}
+
+void jds41_engram_feed_close(int64_t id) {
+  std::shared_ptr<Context> c = Find(id);
+  if (!c) return;
+  {
+    std::lock_guard<std::mutex> g(c->feed_mu);
+    c->feed_closed = true;
+  }
+  c->feed_cv.notify_all();
 }
 
 // [calls, rows requested, rows read from files, cache hits]

@@ -120,6 +120,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.jds41_engram_counters.argtypes = [i64, p]
     lib.jds41_engram_rows_host.argtypes = [i64, p, i32, p, i32, p, i64]
     lib.jds41_engram_row_ids.argtypes = [i64, p, i32, p, i32, p]
+    lib.jds41_engram_feed_on.argtypes = [i64]
+    lib.jds41_engram_feed_wait.argtypes = [i64, p, i32, i32]
+    lib.jds41_engram_feed_close.argtypes = [i64]
     lib.jds41_engram_free.argtypes = [i64]
 
 
@@ -136,11 +139,12 @@ class EngramFfi:
     context that only hashes (`row_ids`).
     """
 
-    def __init__(self, hasher: EngramHasher, source, lib: ctypes.CDLL | None = None):
+    def __init__(self, hasher: EngramHasher, source, lib: ctypes.CDLL | None = None, prefetch=None):
         from jds41.tiers.engram_store import SsdRowSource
 
         self.lib = lib or load()
         self.ctx = 0
+        self._feed_thread = None
         self.source = source
         e = hasher.ecfg
         self.shape = (len(e.layer_ids), e.n_buckets, e.row_bytes)
@@ -166,6 +170,12 @@ class EngramFfi:
         else:
             self.close()
             raise TypeError(f"no FFI form for an Engram row source of type {type(source).__name__}")
+        if prefetch is not None:
+            self.lib.jds41_engram_feed_on(self.ctx)
+            # the thread holds the library and the context id, not this object, so dropping it still closes it
+            self._feed_thread = threading.Thread(target=_feed, args=(self.lib, self.ctx, prefetch), daemon=True,
+                                                 name="jds41-engram-prefetch")
+            self._feed_thread.start()
 
     def _check(self, rc: int) -> None:
         if rc != 0:
@@ -205,6 +215,9 @@ class EngramFfi:
 
     def close(self) -> None:
         if self.ctx:
+            self.lib.jds41_engram_feed_close(self.ctx)
+            if self._feed_thread is not None and self._feed_thread is not threading.current_thread():
+                self._feed_thread.join()
             self.lib.jds41_engram_free(self.ctx)
             self.ctx = 0
 
@@ -212,17 +225,34 @@ class EngramFfi:
         self.close()
 
 
+def _feed(lib: ctypes.CDLL, ctx: int, prefetch) -> None:
+    """The prefetch thread: every token id the handler is called with goes to `prefetch` (a list of ids), on this
+    thread, while the step goes on. A prefetch only starts reads, so its timing never changes a value."""
+    buf = np.empty(256, np.int32)
+    while True:
+        n = lib.jds41_engram_feed_wait(ctx, _ptr(buf), buf.size, 200)
+        if n < 0:
+            return
+        if n:
+            try:
+                prefetch(buf[:n].tolist())
+            except Exception:  # noqa: BLE001 - a failed prefetch is a later miss, which reports its error
+                log.exception("Engram token feed: prefetch failed")
+
+
 def engram_ffi_for(engine) -> EngramFfi | None:
     """The handler for `engine`'s Engram tables, or None where the step must keep its Python callback: asked
-    for by JDS41_ENGRAM_HOST=callback; an SSD expert tier with hash layers, whose exact prefetch of the fed
-    token's experts is Python (TierRuntime.prefetch_tokens); a row source with no FFI form; no compiler."""
+    for by JDS41_ENGRAM_HOST=callback; a row source with no FFI form; no compiler. With an SSD expert tier and
+    hash layers, the handler feeds each step's token ids to a thread that starts their hash-layer experts' reads
+    (TierRuntime.prefetch_tokens, which the Python callback called inside the step)."""
     if engine.engram is None or os.environ.get(ENV_CHOICE, "ffi") == "callback":
         return None
     tiers = engine.tiers
+    prefetch = None
     if tiers is not None and tiers.stores.ssd is not None and tiers.hash_tables:
-        return None
+        prefetch = tiers.prefetch_tokens
     try:
-        return EngramFfi(*engine.engram)
+        return EngramFfi(*engine.engram, prefetch=prefetch)
     except (NativeBuildError, TypeError) as e:
         log.warning("Engram rows stay a Python callback: %s", e)
         return None
