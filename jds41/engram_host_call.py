@@ -5,7 +5,8 @@ on token ids the device produced, so each step enters the host once. Two forms g
 (tests/test_engram_ffi.py): the FFI handler of jds41/native (C++, no Python on the step's path; with an SSD expert
 tier it hands the fed token ids to a thread that starts their hash-layer experts' reads) and a Python
 `io_callback` (which does that prefetch inside the step), kept where the handler has no form for the row source or
-cannot be built, and on request (JDS41_ENGRAM_HOST=callback).
+cannot be built, by default for an SSD expert tier with hash layers (measured faster there:
+native/engram_ffi.engram_ffi_for), and on request (JDS41_ENGRAM_HOST=callback).
 """
 
 from __future__ import annotations

@@ -124,19 +124,20 @@ def test_a_bad_token_id_is_a_clear_error_inside_jit(model, hasher):
 
 
 def test_the_loops_choose_the_handler_and_their_tokens_do_not_depend_on_it(path, monkeypatch):
-    """A plain engine's step uses the handler; JDS41_ENGRAM_HOST=callback gives the Python form; greedy tokens
-    and the session's tokens are the same either way (and equal the reference path's: tests/test_decode_loop.py)."""
+    """A plain engine's step uses the handler by default; JDS41_ENGRAM_HOST=callback gives the Python form;
+    greedy tokens and the session's tokens are the same either way (and equal the reference path's:
+    tests/test_decode_loop.py)."""
     prompt = [5, 17, 3, 99, 42, 7, 64, 12]
     out = {}
-    for how in ("ffi", "callback"):
+    for how in ("auto", "callback"):
         monkeypatch.setenv("JDS41_ENGRAM_HOST", how)
         engine = Engine.open(str(path), max_ctx=64)
         fn = step_rows_fn(engine)
-        assert isinstance(fn, EngramFfi if how == "ffi" else CallbackRows)
+        assert isinstance(fn, EngramFfi if how == "auto" else CallbackRows)
         s = engine.session()
         out[how] = greedy_generate(s, int(np.argmax(s.feed(prompt))), 24), list(s.tokens)
-    assert out["ffi"] == out["callback"]
-    assert out["ffi"][0] and len(out["ffi"][0]) == 24
+    assert out["auto"] == out["callback"]
+    assert out["auto"][0] and len(out["auto"][0]) == 24
 
 
 def test_the_token_feed_hands_every_fed_id_to_the_prefetch_thread(model, hasher):
@@ -161,9 +162,14 @@ def test_the_token_feed_hands_every_fed_id_to_the_prefetch_thread(model, hasher)
 
 
 def test_an_ssd_expert_tier_with_hash_layers_feeds_its_prefetch(path, monkeypatch):
-    """The ssd-heavy profile (SSD experts, hash layers) takes the handler with the token feed, and its greedy
-    tokens equal the Python callback's (which prefetches inside the step)."""
+    """The ssd-heavy profile (SSD experts, hash layers) keeps the callback by default (measured faster there) and
+    takes the handler with the token feed when asked; its greedy tokens equal the callback's (which prefetches
+    inside the step)."""
     prompt = [5, 17, 3, 99, 42, 7, 64, 12]
+    monkeypatch.delenv("JDS41_ENGRAM_HOST", raising=False)
+    engine = Engine.open(str(path), max_ctx=64, profile="ssd-heavy")
+    assert isinstance(step_rows_fn(engine), CallbackRows)
+    engine.tiers.close()
     out = {}
     for how in ("ffi", "callback"):
         monkeypatch.setenv("JDS41_ENGRAM_HOST", how)

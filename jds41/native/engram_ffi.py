@@ -10,7 +10,10 @@ holds its hash parameters and where its tables are: in memory (the GGUF's mmap o
 in the file, read with O_DIRECT behind the handler's own row cache (`SsdRowSource`'s layout and cache size).
 
 Where the handler cannot be built or a row source is of another kind, `engram_ffi_for` returns None and the step
-keeps the Python callback; `JDS41_ENGRAM_HOST=callback` asks for the callback everywhere.
+keeps the Python callback; it also keeps it, by measurement, for an SSD expert tier with hash layers (its
+docstring); `JDS41_ENGRAM_HOST=callback` asks for the callback everywhere, `=ffi` for the handler wherever it can.
+Measured on the H200 (V4.1, 4 layers, experiments/README.md): decode 514 against 348 tok/s resident, 312 against
+214 in the h200 profile, the same predictions.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("engram_ffi.cc")
 TARGET = "jds41_engram_rows"
-ENV_CHOICE = "JDS41_ENGRAM_HOST"  # "ffi" (default) or "callback"
+ENV_CHOICE = "JDS41_ENGRAM_HOST"  # "auto" (default), "ffi" or "callback": engram_ffi_for
 ENV_DIR = "JDS41_NATIVE_DIR"  # where built libraries are cached (default ~/.cache/jds41/native)
 ENV_LIB = "JDS41_ENGRAM_FFI_LIB"  # a library built elsewhere, used as is (a machine without a compiler)
 
@@ -241,15 +244,23 @@ def _feed(lib: ctypes.CDLL, ctx: int, prefetch) -> None:
 
 
 def engram_ffi_for(engine) -> EngramFfi | None:
-    """The handler for `engine`'s Engram tables, or None where the step must keep its Python callback: asked
-    for by JDS41_ENGRAM_HOST=callback; a row source with no FFI form; no compiler. With an SSD expert tier and
-    hash layers, the handler feeds each step's token ids to a thread that starts their hash-layer experts' reads
-    (TierRuntime.prefetch_tokens, which the Python callback called inside the step)."""
-    if engine.engram is None or os.environ.get(ENV_CHOICE, "ffi") == "callback":
+    """The handler for `engine`'s Engram tables, or None where the step keeps its Python callback.
+
+    JDS41_ENGRAM_HOST: "callback" always the callback; "ffi" the handler wherever it can be built and has a form
+    for the row source; unset ("auto") the same, except for an SSD expert tier with hash layers. There the
+    callback also starts the fed tokens' hash-layer expert reads before the step; the handler hands the ids to a
+    thread instead (the token feed), and on the H200 that was slower: lucebox V4.1 4-layer decode at 23.6 and
+    27.1 tok/s against the callback's 28.6 and 28.4 (experiments/results/bench_decode_engram_ffi_lucebox_*), the
+    slot cache's stall 4.3-5.5 s against 3.9 s: the reads start later than the step's first SSD layer needs them.
+    """
+    choice = os.environ.get(ENV_CHOICE, "auto")
+    if engine.engram is None or choice == "callback":
         return None
     tiers = engine.tiers
     prefetch = None
     if tiers is not None and tiers.stores.ssd is not None and tiers.hash_tables:
+        if choice != "ffi":
+            return None
         prefetch = tiers.prefetch_tokens
     try:
         return EngramFfi(*engine.engram, prefetch=prefetch)
