@@ -379,10 +379,13 @@ def _engram_host(engine) -> str | None:
 
 
 def run_profile(path: str, name: str, args, usage_path: str | None, stream: list[int], prompt: list[int],
-                prof: str | None = None, loop: str = "device") -> dict:
+                prof: str | None = None, loop: str = "device", warm_tokens: tuple[list[int], list[int]] | None = None
+                ) -> dict:
     """One profile: time to ready, prefill, then decode over `stream` in the device loop (`loop="device"`) or one
     jitted step and host round trip per token (`"step"`, the reference path). `prof` overrides the profile file
-    (ladder rungs); `usage_path` None keeps the profile's own placement source."""
+    (ladder rungs); `usage_path` None keeps the profile's own placement source. `warm_tokens` (prompt, stream)
+    of the same lengths compile the programs: other tokens than the timed ones, so the caches the warm-up fills
+    (the slot cache, the Engram row caches) hold nothing chosen for the timed tokens."""
     from jds41.decode_loop import decode_forced
     from jds41.engine import Engine
 
@@ -392,21 +395,24 @@ def run_profile(path: str, name: str, args, usage_path: str | None, stream: list
     engine = Engine.open(path, max_ctx=len(prompt) + len(stream) + 64, profile=prof,
                          usage=usage_path if prof is not None else None)
 
-    def decode(session):
+    def decode(session, tokens=stream):
         if loop == "device":
-            return decode_forced(session, stream)
-        return np.asarray([int(np.argmax(session.feed([t]))) for t in stream[:-1]])
+            return decode_forced(session, tokens)
+        return np.asarray([int(np.argmax(session.feed([t]))) for t in tokens[:-1]])
 
     ready_s = time.perf_counter() - t0
     log(f"{name}: ready in {ready_s:.1f} s")
     # Compile the pieces of the timed prefill (its first --prefill-piece tokens, then the same again after them:
     # a later piece starts at another position but has the same shapes) and the decode loop. Until 8034809 this
     # fed 32 tokens, so the timed prefill of a longer prompt compiled its layer-major piece: the prefill_tok_s of
-    # earlier rows include that compile (experiments/README.md).
+    # earlier rows include that compile (experiments/README.md). Until the twentieth session the warm-up fed the
+    # timed prompt and stream themselves, so every Engram row and many experts of the timed decode were cached
+    # before it started (results of earlier sessions: h200 read ~1.3 Engram rows per token from the SSD, not 48).
+    warm_prompt, warm_stream = warm_tokens or (prompt, stream)
     warm = engine.session()
     t0 = time.perf_counter()
-    warm.feed(prompt[:args.prefill_piece])
-    decode(warm)
+    warm.feed(warm_prompt[:args.prefill_piece])
+    decode(warm, warm_stream)
     compile_s = time.perf_counter() - t0
     log(f"{name}: warm-up (compiles) {compile_s:.1f} s")
     del warm
@@ -528,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(7)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, a.prompt)]
     stream = [int(t) for t in rng.integers(0, cfg.vocab_size, a.decode + 1)]
+    warm_tokens = ([int(t) for t in rng.integers(0, cfg.vocab_size, a.prompt)],
+                   [int(t) for t in rng.integers(0, cfg.vocab_size, a.decode + 1)])
     common = {"bench": "decode", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "triton_kernels": triton_kernels_on(),
               "planar_weights": planar_weights_on(), "arch": a.arch, "size": a.size, "layers": a.layers,
@@ -535,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
               "file_gib": round(os.path.getsize(path) / 2**30, 2), "write_s": round(write_s, 1),
               "routing": {"source": "zipf-fit selection bias" if a.skew_top10 > 0 else "random weights",
                           "target_top10_share": a.skew_top10, "g": round(g, 4), "measured": skew},
-              "usage_s": round(usage_s, 1), "bandwidths": BW}
+              "usage_s": round(usage_s, 1), "bandwidths": BW, "warm_up": "other tokens of the same lengths"}
     if a.ladder:
         runs = [(f"ladder-{rung}", ladder_profile(rung, fields, cfg.n_experts_used, a.lean_margin, a.workdir),
                  usage_path if ranked else None, loop) for rung, fields, ranked, loop in LADDER]
@@ -543,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [(name, None, usage_path, "device") for name in a.profiles.split(",") if name]  # none: write only
     ref = None
     for name, prof, usage, loop in runs:
-        row = {**common, **run_profile(path, name, a, usage, stream, prompt, prof, loop)}
+        row = {**common, **run_profile(path, name, a, usage, stream, prompt, prof, loop, warm_tokens)}
         ref = ref or row["predictions_sha256"]
         row["same_predictions_as_first"] = row["predictions_sha256"] == ref
         emit(row, a.out)

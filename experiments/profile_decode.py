@@ -244,14 +244,18 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(7)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, a.prompt)]
     stream = [int(t) for t in rng.integers(0, cfg.vocab_size, a.decode + 1)]
+    # Three streams of one length: the warm-up (compiles), the unprofiled run, the profiled run. Each is new to
+    # the caches the runs before it filled (slot cache, Engram rows), as in bench_decode.
+    warm_prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, a.prompt)]
+    warm_stream, plain_stream = ([int(t) for t in rng.integers(0, cfg.vocab_size, a.decode + 1)] for _ in range(2))
     engine = Engine.open(path, max_ctx=2 * (a.prompt + a.decode) + 64, profile=prof,
                          usage=usage if prof is not None else None)
     B.log("warming up (compiles the device loop)")
     warm = engine.session()
-    warm.feed(prompt)
-    decode_forced(warm, stream)
+    warm.feed(warm_prompt)
+    decode_forced(warm, warm_stream)
     t0 = time.perf_counter()
-    decode_forced(warm, stream)  # a second, compile-free run: the unprofiled figure
+    decode_forced(warm, plain_stream)  # a second, compile-free run: the unprofiled figure
     plain_s = time.perf_counter() - t0
     del warm
 
