@@ -33,7 +33,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import _commit  # noqa: E402  (sibling script)
@@ -42,8 +41,9 @@ from heldout import text_prompts  # noqa: E402
 from jds41.block_step import step_at_width  # noqa: E402
 from jds41.decode_loop import _history, greedy_generate  # noqa: E402
 from jds41.engine import Engine  # noqa: E402
+from jds41.engram_host_call import step_rows_fn  # noqa: E402
 from jds41.speculative import DSparkDrafter, SpeculativeSession, rollback, verify_block  # noqa: E402
-from jds41.speculative_loop import _rows_fn, speculative_generate  # noqa: E402
+from jds41.speculative_loop import speculative_generate  # noqa: E402
 
 
 def time_part(body, carry, n_small: int, n_big: int, repeats: int = 3) -> float:
@@ -110,13 +110,12 @@ def bench_parts(args, profile: str | None) -> dict:
              "propose": time_part(propose, tok0, n1, n2),
              "inject": time_part(inject, (dstate0, pos0), n1, n2)}
     if engine.engram is not None:
-        rows_fn, (_, hist, n_hist) = _rows_fn(engine), _history(session)
-        shape = jax.ShapeDtypeStruct(rows_W.shape, jnp.uint8)
+        rows_fn, (_, hist, n_hist) = step_rows_fn(engine), _history(session)  # the loops' own host call
 
         def engram(i, c):
             last, acc = c
             block = (last + jnp.arange(W, dtype=jnp.int32)) % V
-            r = io_callback(rows_fn, shape, block, hist, n_hist, ordered=False)
+            r = rows_fn(block, hist, n_hist)
             return (last + 1) % V, acc + r[0, 0, 0, 0].astype(jnp.int32)
 
         parts["engram_rows"] = time_part(engram, (tok0, jnp.int32(0)), n1, n2)
