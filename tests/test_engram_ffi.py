@@ -123,6 +123,22 @@ def test_a_bad_token_id_is_a_clear_error_inside_jit(model, hasher):
         jax.block_until_ready(jax.jit(ffi)(jnp.asarray([bad], jnp.int32), jnp.asarray(padded), jnp.int32(n_hist)))
 
 
+def test_a_table_cut_short_names_its_file_and_row(model, hasher, tmp_path):
+    """A GGUF cut inside an Engram table: the handler's read fails with the file, the table and the row."""
+    src = SsdRowSource(model, hasher.ecfg, cache_rows=64, direct=False)
+    path, offset, rows = src.tables[0]
+    cut = tmp_path / "cut.gguf"
+    with open(path, "rb") as fh:
+        cut.write_bytes(fh.read(offset + (rows // 2) * hasher.ecfg.row_bytes))
+    src.tables[0] = (str(cut), offset, rows)
+    ffi = EngramFfi(hasher, src)
+    ids = hasher.row_ids_seq(np.arange(64) % len(hasher.token_map), [])
+    assert ids[:, 0].max() >= rows // 2  # some row of table 0 lies past the cut
+    with pytest.raises(ValueError, match=r"cut\.gguf: Engram table 0 row \d+: file ends inside the row"):
+        ffi.host_rows(np.arange(64) % len(hasher.token_map), [])
+    src.close()
+
+
 def test_the_loops_choose_the_handler_and_their_tokens_do_not_depend_on_it(path, monkeypatch):
     """A plain engine's step uses the handler by default; JDS41_ENGRAM_HOST=callback gives the Python form;
     greedy tokens and the session's tokens are the same either way (and equal the reference path's:
