@@ -20,21 +20,22 @@ from jds41.quant import QTensor, qmatmul, qmatvec, qmatvec_experts
 from jds41.quant.planar import dequantize_planar, from_planar, planar_params, quant_bytes, to_planar
 from jds41.quant.random_blocks import random_quantized
 
-FORMATS = [T.Q8_0, T.MXFP4]
+FORMATS = [T.Q8_0, T.MXFP4, T.IQ2_XXS]
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
 def test_planar_rows_hold_every_blocks_quants_then_every_scale(qtype):
     rng = np.random.default_rng(0)
-    raw = random_quantized(rng, qtype, (3, 5, 256))  # 8 blocks per row
-    h, p = (2, 32) if qtype == T.Q8_0 else (1, 16)
+    # a GGML block: h scale bytes, then p quant bytes, for n values
+    h, p, n = {T.Q8_0: (2, 32, 32), T.MXFP4: (1, 16, 32), T.IQ2_XXS: (2, 64, 256)}[qtype]
+    raw = random_quantized(rng, qtype, (3, 5, 8 * n))  # 8 blocks per row
     planar = to_planar(raw, qtype)
     assert planar.shape == raw.shape and planar.dtype == np.uint8
     blocks = raw.reshape(3, 5, 8, h + p)
     for b in range(8):  # block b's quants at b*p from the row's start, its scale bytes after all the quants
         np.testing.assert_array_equal(planar[..., b * p:(b + 1) * p], blocks[..., b, h:])
         np.testing.assert_array_equal(planar[..., 8 * p + b * h:8 * p + (b + 1) * h], blocks[..., b, :h])
-    assert quant_bytes(qtype, 256) == 8 * p
+    assert quant_bytes(qtype, 8 * n) == 8 * p
     np.testing.assert_array_equal(from_planar(planar, qtype), raw)
     np.testing.assert_array_equal(np.asarray(to_planar(jnp.asarray(raw), qtype)), planar)  # jax spelling too
 
@@ -123,5 +124,40 @@ def test_planar_tier_stores_keep_every_placement_on_the_resident_bits(synthetic_
     assert resident.params["blocks"][3]["ffn_gate_exps"].layout == "planar"
     assert routed.hbm["gate"].layout == routed.host["gate"].layout == "planar" and routed.source is not None
     np.testing.assert_array_equal(resident.session().feed(toks, all_logits=True), want)
+    np.testing.assert_array_equal(tiered.session().feed(toks, all_logits=True), want)
+    tiered.tiers.close()
+
+
+@pytest.mark.slow
+def test_two_bit_expert_stacks_go_planar_and_keep_the_resident_bits_in_every_tier(tmp_path, monkeypatch):
+    """IQ2_XXS gate/up stacks (V4.1's two-bit experts, rows of 256) take the planar layout with the others; Q2_K
+    down stacks, which have none, stay GGML. Planar weights give the GGML engine's logits bit for bit, resident and
+    over HBM, pinned host memory and the SSD (whose answers the graph regroups)."""
+    import dataclasses
+    import json
+
+    import jds41.engine as engine_module
+    from jds41.checkpoints import synth
+    from jds41.checkpoints.presets import preset
+    from jds41.engine import Engine
+
+    model = tmp_path / "q2.gguf"
+    cfg = dataclasses.replace(preset("deepseek4", "tiny"), dim=256, expert_ff=256)
+    assert not synth.write_synthetic(model, cfg, "ds4-q2", progress=False)["fallback_q8_0"]
+    profile = tmp_path / "split3.json"
+    profile.write_text(json.dumps({"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3,
+                                   "placement_source": "uniform", "slot_cache_slots": 2, "lookahead": 1,
+                                   "router_lean": {"enabled": False}}))
+    toks = [int(t) for t in np.random.default_rng(5).integers(8, 400, 16)]
+    want = Engine.open(str(model), max_ctx=64, prefill_chunk=8).session().feed(toks, all_logits=True)
+    monkeypatch.setattr(engine_module, "planar_weights", lambda *_: True)
+    resident = Engine.open(str(model), max_ctx=64, prefill_chunk=8)
+    block = resident.params["blocks"][cfg.n_layers - 1]
+    assert block["ffn_gate_exps"].qtype == T.IQ2_XXS and block["ffn_gate_exps"].layout == "planar"
+    assert block["ffn_down_exps"].qtype == T.Q2_K and block["ffn_down_exps"].layout == "ggml"
+    np.testing.assert_array_equal(resident.session().feed(toks, all_logits=True), want)
+    tiered = Engine.open(str(model), max_ctx=64, prefill_chunk=8, profile=str(profile))
+    routed = tiered.params["blocks"][cfg.n_layers - 1]["routed"]
+    assert routed.hbm["gate"].layout == routed.host["gate"].layout == "planar" and routed.source is not None
     np.testing.assert_array_equal(tiered.session().feed(toks, all_logits=True), want)
     tiered.tiers.close()

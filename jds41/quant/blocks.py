@@ -206,8 +206,8 @@ _BIT_SHIFT = np.arange(8, dtype=np.uint32)
 _CODE_SHIFT = 2 * np.arange(8, dtype=np.uint16)
 
 
-def _dec_iq2_xxs(b):
-    d, qs = _split(b, 2, 64)
+def iq2_xxs_values(d, qs):
+    """IQ2_XXS values from a block's fields: d uint8[..., 2] (f16 bytes), qs uint8[..., 64] -> f32[..., 256]."""
     groups = _lead(qs, 8, 2, 4)  # [..., 8, 2, 4]: group, word, byte
     aux1 = lax.bitcast_convert_type(groups[..., 1, :], jnp.uint32)  # [..., 8]
     db = _f16(d)[..., None] * (np.float32(0.5) + (aux1 >> np.uint32(28)).astype(jnp.float32)) * np.float32(0.25)
@@ -218,7 +218,11 @@ def _dec_iq2_xxs(b):
     signs = s7 | ((lax.population_count(s7) & np.uint32(1)) << np.uint32(7))
     neg = ((signs[..., None] >> _BIT_SHIFT) & np.uint32(1)) != 0  # [..., 8, 4, 8]
     x = db[..., None, None] * grid
-    return jnp.where(neg, -x, x).reshape(*b.shape[:-1], 256)
+    return jnp.where(neg, -x, x).reshape(*qs.shape[:-1], 256)
+
+
+def _dec_iq2_xxs(b):
+    return iq2_xxs_values(*_split(b, 2, 64))
 
 
 # ---------------------------------------------------------------------------------------------------------------

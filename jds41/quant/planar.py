@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from jds41.quant.blocks import mxfp4_values, q8_0_values
+from jds41.quant.blocks import iq2_xxs_values, mxfp4_values, q8_0_values
 
 # qtype -> (values per block, scale bytes, quant bytes): a GGML block is the scale bytes, then the quant bytes.
-PLANAR_TYPES = {T.Q8_0: (32, 2, 32), T.MXFP4: (32, 1, 16)}
+PLANAR_TYPES = {T.Q8_0: (32, 2, 32), T.MXFP4: (32, 1, 16), T.IQ2_XXS: (256, 2, 64)}
 LAYOUTS = ("ggml", "planar")
-_VALUES = {T.Q8_0: q8_0_values, T.MXFP4: mxfp4_values}
+_VALUES = {T.Q8_0: q8_0_values, T.MXFP4: mxfp4_values, T.IQ2_XXS: iq2_xxs_values}
 
 
 def _fields(qtype) -> tuple[int, int, int]:

@@ -63,7 +63,8 @@ BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66)}
 # XLA's speed), IQ2_XXS as in the file (tiers gather it so). Not Q2_K: V4.1's Q2_K down product [5120, 2304] has 9
 # blocks a row, so a step holds one block, and a kernel over it took 119 us where XLA takes 89 on the H200
 # (results/bench_kernels_twobit_h200.jsonl); IQ2_XXS gate/up took 90 us against XLA's 132.
-KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml")})
+KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
+                   (T.IQ2_XXS, "planar")})
 # The tile, set by the product's shape alone (so every path that computes a product of that shape, whatever the
 # tier, layout or batching, sums in the same order): BO rows per program, NB blocks per step, NUM_WARPS warps.
 # BO is made small enough that the grid has about PROGRAMS programs (a [2048, 4096] shared-expert matrix at BO = 16
@@ -185,27 +186,42 @@ def _parity(v):
     return (v ^ (v >> 1)) & 1
 
 
-def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref):
-    """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
-    4-bit scale s). Octet o (group o // 4, slot o % 4) holds 8 values: magnitudes from the packed grid entry of its
-    index byte, signs from its sign index (with ggml's even-parity bit 7). Sum per octet of mag * sign * x, times
-    d * (0.5 + s) / 4, then over octets and blocks."""
+_MAGIC_I, _MAGIC_F = np.int32(0x4B000000), np.float32(1 << 23)  # 2^23 as f32 bits, and as a value
+
+
+def _small_int_to_f32(m):
+    """int32 m in [0, 2^23) -> f32 m exactly with two full-rate ops (2^23's bits OR m, minus 2^23) instead of an
+    int-to-float conversion, which runs at a quarter of the FP32 rate on Hopper."""
+    return lax.bitcast_convert_type(m | _MAGIC_I, jnp.float32) - _MAGIC_F
+
+
+def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int):
+    """A 256-value block: f16 d and 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a 4-bit
+    scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet (g, j) holds 8
+    values k: magnitude from the packed grid entry of index byte j, sign from sign index j (with ggml's even-parity
+    bit 7). Sum per group of mag * (+-x), times d * (0.5 + s) / 4, then over groups and blocks.
+
+    Per value this is a shift and mask of the entry's 2-bit code, an integer multiply-add for the magnitude, its
+    conversion by `_small_int_to_f32`, the sign XORed into x's sign bit, and one multiply-add: no int-to-float
+    conversion and no select (the first form converted the magnitude and the sign per value and ran at ~200 GB/s
+    on the H200, results/bench_kernels_twobit_h200.jsonl)."""
     r4, b4 = rows[:, None, None, None], b[None, :, None, None]
-    o, k = _ar(32, 2, 4), _ar(8, 3, 4)  # [1, 1, 32, 1] octets, [1, 1, 1, 8] values in an octet
-    group = b4 * 66 + 2 + (o >> 2) * 8
-    idx = w_ref[r4, group + (o & 3)].astype(jnp.int32)  # [BO, NB, 32, 1]
-    aux = w_ref[r4, group + 4].astype(jnp.uint32)
-    for byte in range(1, 4):
-        aux = aux | (w_ref[r4, group + 4 + byte].astype(jnp.uint32) << (8 * byte))
-    code = (tbl_ref[idx].astype(jnp.int32) >> (2 * k)) & 3  # [BO, NB, 32, 8]: 0, 1, 2 for 8, 25, 43
-    mag = (8 + 17 * code + (code >> 1)).astype(jnp.float32)
-    s7 = (aux >> (7 * (o & 3)).astype(jnp.uint32)) & 0x7F
-    neg = (((s7 | (_parity(s7) << 7)) >> k.astype(jnp.uint32)) & 1).astype(jnp.float32)
-    # x as [NB, 32, 8] and d as one [BO, NB] tile, then broadcast: the load forms `_step_mxfp4` says are fast.
-    x = x_ref[kx, b[:, None, None] * 256 + o[0] * 8 + k[0]][None]  # [1, NB, 32, 8]
-    sums = jnp.sum(mag * (1 - 2 * neg) * x, axis=3)  # [BO, NB, 32]
-    d = _f16_at(w_ref, rows[:, None], (b * 66)[None, :])[:, :, None]  # [BO, NB, 1]
-    scale = d * (jnp.squeeze(aux >> 28, 3).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)
+    g, j = _ar(8, 2, 4), _ar(4, 3, 4)  # [1, 1, 8, 1] groups, [1, 1, 1, 4] octets in a group
+    group = b4 * 64 + g * 8 if planar else b4 * 66 + 2 + g * 8
+    idx = w_ref[r4, group + j].astype(jnp.int32)  # [BO, NB, 8, 4]
+    aux = jnp.sum(w_ref[r4, group + 4 + j].astype(jnp.uint32) << (8 * j).astype(jnp.uint32), axis=3)  # [BO, NB, 8]
+    s7 = (aux[..., None] >> (7 * j).astype(jnp.uint32)) & 0x7F  # [BO, NB, 8, 4]
+    s8 = s7 | (_parity(s7) << 7)
+    k = _ar(8, 4, 5)  # [1, 1, 1, 1, 8] values in an octet
+    code = (tbl_ref[idx].astype(jnp.int32)[..., None] >> (2 * k)) & 3  # [BO, NB, 8, 4, 8]: 0, 1, 2 for 8, 25, 43
+    mag = _small_int_to_f32(8 + 17 * code + (code >> 1))
+    sign = (s8[..., None] << (31 - k).astype(jnp.uint32)) & _SIGN  # bit k of s8 at bit 31
+    # x as [NB, 8, 4, 8] broadcast over rows, d as one [BO, NB] tile: the load forms `_step_mxfp4` says are fast.
+    x = x_ref[kx, b[:, None, None, None] * 256 + g[0, ..., None] * 32 + j[0, ..., None] * 8 + k[0]][None]  # [1, NB, 8, 4, 8]
+    signed_x = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ sign, jnp.float32)
+    sums = jnp.sum(jnp.sum(mag * signed_x, axis=4), axis=3)  # [BO, NB, 8]
+    d = _f16_at(w_ref, rows[:, None], (n_in // 256 * 64 + 2 * b if planar else b * 66)[None, :])[:, :, None]
+    scale = d * ((aux >> 28).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)  # [BO, NB, 8]
     return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
 
 
@@ -217,7 +233,7 @@ def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out:
     rows = idx_ref[k] * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, R] stack
     step_of = {T.MXFP4: functools.partial(_step_mxfp4, planar=planar, n_in=n_in),
                T.Q8_0: functools.partial(_step_q8_0, planar=planar, n_in=n_in),
-               T.IQ2_XXS: functools.partial(_step_iq2_xxs, tbl_ref=tbl_ref)}[qtype]
+               T.IQ2_XXS: functools.partial(_step_iq2_xxs, tbl_ref=tbl_ref, planar=planar, n_in=n_in)}[qtype]
 
     def step(t, acc_O):
         return acc_O + step_of(w_ref, x_ref, rows, kx, t * nb + jnp.arange(nb, dtype=jnp.int32))
