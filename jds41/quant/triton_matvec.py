@@ -216,8 +216,9 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int
     code = (tbl_ref[idx].astype(jnp.int32)[..., None] >> (2 * k)) & 3  # [BO, NB, 8, 4, 8]: 0, 1, 2 for 8, 25, 43
     mag = _small_int_to_f32(8 + 17 * code + (code >> 1))
     sign = (s8[..., None] << (31 - k).astype(jnp.uint32)) & _SIGN  # bit k of s8 at bit 31
-    # x as [NB, 8, 4, 8] broadcast over rows, d as one [BO, NB] tile: the load forms `_step_mxfp4` says are fast.
-    x = x_ref[kx, b[:, None, None, None] * 256 + g[0, ..., None] * 32 + j[0, ..., None] * 8 + k[0]][None]  # [1, NB, 8, 4, 8]
+    # x as [NB, 8, 4, 8] then broadcast over rows ([1, NB, 8, 4, 8]), d as one [BO, NB] tile: the load forms
+    # `_step_mxfp4` says are fast.
+    x = x_ref[kx, b[:, None, None, None] * 256 + g[0, ..., None] * 32 + j[0, ..., None] * 8 + k[0]][None]
     signed_x = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ sign, jnp.float32)
     sums = jnp.sum(jnp.sum(mag * signed_x, axis=4), axis=3)  # [BO, NB, 8]
     d = _f16_at(w_ref, rows[:, None], (n_in // 256 * 64 + 2 * b if planar else b * 66)[None, :])[:, :, None]
