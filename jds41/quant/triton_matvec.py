@@ -226,6 +226,41 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int
     return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
 
 
+def _step_iq2_xxs_octets(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int, magic: bool):
+    """(A/B variant, JDS41_IQ2_STEP=octets|octets_magic) The first form: [BO, NB, 32 octets, 8] tensors, each octet
+    loading its index byte and its group's 4 sign bytes; `magic` swaps the per-value conversions for
+    `_small_int_to_f32` and the sign XOR."""
+    r4, b4 = rows[:, None, None, None], b[None, :, None, None]
+    o, k = _ar(32, 2, 4), _ar(8, 3, 4)  # [1, 1, 32, 1] octets, [1, 1, 1, 8] values in an octet
+    group = b4 * 64 + (o >> 2) * 8 if planar else b4 * 66 + 2 + (o >> 2) * 8
+    idx = w_ref[r4, group + (o & 3)].astype(jnp.int32)  # [BO, NB, 32, 1]
+    aux = w_ref[r4, group + 4].astype(jnp.uint32)
+    for byte in range(1, 4):
+        aux = aux | (w_ref[r4, group + 4 + byte].astype(jnp.uint32) << (8 * byte))
+    code = (tbl_ref[idx].astype(jnp.int32) >> (2 * k)) & 3  # [BO, NB, 32, 8]: 0, 1, 2 for 8, 25, 43
+    s7 = (aux >> (7 * (o & 3)).astype(jnp.uint32)) & 0x7F
+    x = x_ref[kx, b[:, None, None] * 256 + o[0] * 8 + k[0]][None]  # [1, NB, 32, 8]
+    if magic:
+        mag = _small_int_to_f32(8 + 17 * code + (code >> 1))
+        sign = ((s7 | (_parity(s7) << 7)) << (31 - k).astype(jnp.uint32)) & _SIGN
+        signed_x = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ sign, jnp.float32)
+        sums = jnp.sum(mag * signed_x, axis=3)  # [BO, NB, 32]
+    else:
+        mag = (8 + 17 * code + (code >> 1)).astype(jnp.float32)
+        neg = (((s7 | (_parity(s7) << 7)) >> k.astype(jnp.uint32)) & 1).astype(jnp.float32)
+        sums = jnp.sum(mag * (1 - 2 * neg) * x, axis=3)  # [BO, NB, 32]
+    d = _f16_at(w_ref, rows[:, None], (n_in // 256 * 64 + 2 * b if planar else b * 66)[None, :])[:, :, None]
+    scale = d * (jnp.squeeze(aux >> 28, 3).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)
+    return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
+
+
+# JDS41_IQ2_STEP (an A/B switch for this session's GPU measurement, read at import): which IQ2_XXS step runs.
+IQ2_STEP = os.environ.get("JDS41_IQ2_STEP", "octets")
+_IQ2_STEPS = {"grouped": lambda **kw: functools.partial(_step_iq2_xxs, **kw),
+              "octets": lambda **kw: functools.partial(_step_iq2_xxs_octets, magic=False, **kw),
+              "octets_magic": lambda **kw: functools.partial(_step_iq2_xxs_octets, magic=True, **kw)}
+
+
 def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
             steps: int, x_per_row: bool):
     tbl_ref, o_ref = rest if qtype == T.IQ2_XXS else (None, rest[0])
@@ -234,7 +269,7 @@ def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out:
     rows = idx_ref[k] * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, R] stack
     step_of = {T.MXFP4: functools.partial(_step_mxfp4, planar=planar, n_in=n_in),
                T.Q8_0: functools.partial(_step_q8_0, planar=planar, n_in=n_in),
-               T.IQ2_XXS: functools.partial(_step_iq2_xxs, tbl_ref=tbl_ref, planar=planar, n_in=n_in)}[qtype]
+               T.IQ2_XXS: _IQ2_STEPS[IQ2_STEP](tbl_ref=tbl_ref, planar=planar, n_in=n_in)}[qtype]
 
     def step(t, acc_O):
         return acc_O + step_of(w_ref, x_ref, rows, kx, t * nb + jnp.arange(nb, dtype=jnp.int32))
