@@ -545,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                    [int(t) for t in rng.integers(0, cfg.vocab_size, a.decode + 1)])
     common = {"bench": "decode", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "triton_kernels": triton_kernels_on(),
-              "planar_weights": planar_weights_on(), "iq2_step": iq2_step(), "arch": a.arch, "size": a.size, "layers": a.layers,
+              "planar_weights": planar_weights_on(), "iq2_step": iq2_step(),
+              "arch": a.arch, "size": a.size, "layers": a.layers,
               "quant": a.quant,
               "file_gib": round(os.path.getsize(path) / 2**30, 2), "write_s": round(write_s, 1),
               "routing": {"source": "zipf-fit selection bias" if a.skew_top10 > 0 else "random weights",
