@@ -95,11 +95,11 @@ def planar_weights_on() -> bool:
     return triton_matvec.planar_weights()
 
 
-def iq2_step() -> str:
-    """Which IQ2_XXS kernel step runs (JDS41_IQ2_STEP, quant/triton_matvec.py)."""
+def q2k_kernel_on() -> bool:
+    """Whether V4.1's Q2_K products go through the kernel (JDS41_Q2K_KERNEL, quant/triton_matvec.py)."""
     from jds41.quant import triton_matvec
 
-    return triton_matvec.IQ2_STEP
+    return triton_matvec.Q2K_KERNEL
 
 
 def _machine() -> str:
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                    [int(t) for t in rng.integers(0, cfg.vocab_size, a.decode + 1)])
     common = {"bench": "decode", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "triton_kernels": triton_kernels_on(),
-              "planar_weights": planar_weights_on(), "iq2_step": iq2_step(),
+              "planar_weights": planar_weights_on(), "q2k_kernel": q2k_kernel_on(),
               "arch": a.arch, "size": a.size, "layers": a.layers,
               "quant": a.quant,
               "file_gib": round(os.path.getsize(path) / 2**30, 2), "write_s": round(write_s, 1),

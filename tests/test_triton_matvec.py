@@ -114,9 +114,10 @@ def test_decode_products_lower_to_the_kernel_on_cuda_only():
 
 
 # V4-Flash's decode shapes: routed gate/up, routed down (one x per expert), a dense MXFP4 matrix, the Q8_0 head;
-# V4.1's routed gate/up (IQ2_XXS, 20 blocks a row).
+# V4.1's routed gate/up (IQ2_XXS, 20 blocks a row) and down (Q2_K, 9 blocks a row: where the kernel takes it).
 GPU_SHAPES = [(T.MXFP4, 256, 2048, 4096, 1), (T.MXFP4, 256, 4096, 2048, 6), (T.MXFP4, 1, 4096, 4096, 1),
-              (T.Q8_0, 1, 129280, 4096, 1), (T.Q8_0, 8, 32768, 1024, 1), (T.IQ2_XXS, 384, 2304, 5120, 1)]
+              (T.Q8_0, 1, 129280, 4096, 1), (T.Q8_0, 8, 32768, 1024, 1), (T.IQ2_XXS, 384, 2304, 5120, 1),
+              (T.Q2_K, 384, 5120, 2304, 6)]
 
 
 @pytest.mark.gpu

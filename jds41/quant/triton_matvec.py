@@ -58,13 +58,14 @@ PLANAR = os.environ.get("JDS41_PLANAR", "1") != "0"
 _BACKEND = importlib.util.find_spec("jax.experimental.pallas.triton") is not None  # deprecated upstream (jax 0.11)
 # qtype -> (values per block, bytes per block, bytes a step loads per block for the tile rule: the quants alone for
 # the 32-value formats, whose tiles were measured so on the H200) of the formats the kernel decodes
-BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66)}
+BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66), T.Q2_K: (256, 84, 84)}
 # (qtype, layout) pairs the kernel reads: Q8_0 only planar (its GGML rows, loaded byte by byte, ran at a quarter of
-# XLA's speed), IQ2_XXS as in the file (tiers gather it so). Not Q2_K: V4.1's Q2_K down product [5120, 2304] has 9
-# blocks a row, so a step holds one block, and a kernel over it took 119 us where XLA takes 89 on the H200
-# (results/bench_kernels_twobit_h200.jsonl); IQ2_XXS gate/up took 90 us against XLA's 132.
+# XLA's speed), IQ2_XXS in both layouts (an engine with planar weights regroups it too). Q2_K (V4.1's down product
+# [5120, 2304]: 9 blocks a row, so a step holds one block) only with JDS41_Q2K_KERNEL=1, an A/B switch read at
+# import: a first Q2_K kernel took 119 us where XLA takes 89 on the H200 (results/bench_kernels_twobit_h200.jsonl).
+Q2K_KERNEL = os.environ.get("JDS41_Q2K_KERNEL", "0") == "1"
 KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
-                   (T.IQ2_XXS, "planar")})
+                   (T.IQ2_XXS, "planar")} | ({(T.Q2_K, "ggml")} if Q2K_KERNEL else set()))
 # The tile, set by the product's shape alone (so every path that computes a product of that shape, whatever the
 # tier, layout or batching, sums in the same order): BO rows per program, NB blocks per step, NUM_WARPS warps.
 # BO is made small enough that the grid has about PROGRAMS programs (a [2048, 4096] shared-expert matrix at BO = 16
@@ -196,40 +197,17 @@ def _small_int_to_f32(m):
 
 
 def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int):
-    """A 256-value block: f16 d and 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a 4-bit
-    scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet (g, j) holds 8
-    values k: magnitude from the packed grid entry of index byte j, sign from sign index j (with ggml's even-parity
-    bit 7). Sum per group of mag * (+-x), times d * (0.5 + s) / 4, then over groups and blocks.
+    """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
+    4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o (group
+    o // 4, slot o % 4) holds 8 values: magnitudes from the packed grid entry of its index byte, signs from its
+    sign index (with ggml's even-parity bit 7). Sum per octet of mag * (+-x), times d * (0.5 + s) / 4, then over
+    octets and blocks.
 
-    Per value this is a shift and mask of the entry's 2-bit code, an integer multiply-add for the magnitude, its
-    conversion by `_small_int_to_f32`, the sign XORed into x's sign bit, and one multiply-add: no int-to-float
-    conversion and no select (the first form converted the magnitude and the sign per value and ran at ~200 GB/s
-    on the H200, results/bench_kernels_twobit_h200.jsonl)."""
-    r4, b4 = rows[:, None, None, None], b[None, :, None, None]
-    g, j = _ar(8, 2, 4), _ar(4, 3, 4)  # [1, 1, 8, 1] groups, [1, 1, 1, 4] octets in a group
-    group = b4 * 64 + g * 8 if planar else b4 * 66 + 2 + g * 8
-    idx = w_ref[r4, group + j].astype(jnp.int32)  # [BO, NB, 8, 4]
-    aux = jnp.sum(w_ref[r4, group + 4 + j].astype(jnp.uint32) << (8 * j).astype(jnp.uint32), axis=3)  # [BO, NB, 8]
-    s7 = (aux[..., None] >> (7 * j).astype(jnp.uint32)) & 0x7F  # [BO, NB, 8, 4]
-    s8 = s7 | (_parity(s7) << 7)
-    k = _ar(8, 4, 5)  # [1, 1, 1, 1, 8] values in an octet
-    code = (tbl_ref[idx].astype(jnp.int32)[..., None] >> (2 * k)) & 3  # [BO, NB, 8, 4, 8]: 0, 1, 2 for 8, 25, 43
-    mag = _small_int_to_f32(8 + 17 * code + (code >> 1))
-    sign = (s8[..., None] << (31 - k).astype(jnp.uint32)) & _SIGN  # bit k of s8 at bit 31
-    # x as [NB, 8, 4, 8] then broadcast over rows ([1, NB, 8, 4, 8]), d as one [BO, NB] tile: the load forms
-    # `_step_mxfp4` says are fast.
-    x = x_ref[kx, b[:, None, None, None] * 256 + g[0, ..., None] * 32 + j[0, ..., None] * 8 + k[0]][None]
-    signed_x = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ sign, jnp.float32)
-    sums = jnp.sum(jnp.sum(mag * signed_x, axis=4), axis=3)  # [BO, NB, 8]
-    d = _f16_at(w_ref, rows[:, None], (n_in // 256 * 64 + 2 * b if planar else b * 66)[None, :])[:, :, None]
-    scale = d * ((aux >> 28).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)  # [BO, NB, 8]
-    return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
-
-
-def _step_iq2_xxs_octets(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int, magic: bool):
-    """(A/B variant, JDS41_IQ2_STEP=octets|octets_magic) The first form: [BO, NB, 32 octets, 8] tensors, each octet
-    loading its index byte and its group's 4 sign bytes; `magic` swaps the per-value conversions for
-    `_small_int_to_f32` and the sign XOR."""
+    Per value no int-to-float conversion and no select: the magnitude by `_small_int_to_f32`, the sign XORed into
+    x's sign bit. Converting both per value ran 80 us for V4.1's six [2304, 5120] products on the H200, this 68; a
+    form over [.., 8 groups, 4 slots, 8] tensors that loads each sign word once took 110 (187 registers a thread,
+    12% occupancy; results/bench_kernels_iq2_steps_h200.jsonl). This one is bound by its instructions (ncu:
+    ~23 per value, 70% of the SM's issue rate), not by the bytes."""
     r4, b4 = rows[:, None, None, None], b[None, :, None, None]
     o, k = _ar(32, 2, 4), _ar(8, 3, 4)  # [1, 1, 32, 1] octets, [1, 1, 1, 8] values in an octet
     group = b4 * 64 + (o >> 2) * 8 if planar else b4 * 66 + 2 + (o >> 2) * 8
@@ -238,27 +216,35 @@ def _step_iq2_xxs_octets(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_
     for byte in range(1, 4):
         aux = aux | (w_ref[r4, group + 4 + byte].astype(jnp.uint32) << (8 * byte))
     code = (tbl_ref[idx].astype(jnp.int32) >> (2 * k)) & 3  # [BO, NB, 32, 8]: 0, 1, 2 for 8, 25, 43
+    mag = _small_int_to_f32(8 + 17 * code + (code >> 1))
     s7 = (aux >> (7 * (o & 3)).astype(jnp.uint32)) & 0x7F
+    sign = ((s7 | (_parity(s7) << 7)) << (31 - k).astype(jnp.uint32)) & _SIGN  # sign bit k at bit 31
+    # x as [NB, 32, 8] and d as one [BO, NB] tile, then broadcast: the load forms `_step_mxfp4` says are fast.
     x = x_ref[kx, b[:, None, None] * 256 + o[0] * 8 + k[0]][None]  # [1, NB, 32, 8]
-    if magic:
-        mag = _small_int_to_f32(8 + 17 * code + (code >> 1))
-        sign = ((s7 | (_parity(s7) << 7)) << (31 - k).astype(jnp.uint32)) & _SIGN
-        signed_x = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ sign, jnp.float32)
-        sums = jnp.sum(mag * signed_x, axis=3)  # [BO, NB, 32]
-    else:
-        mag = (8 + 17 * code + (code >> 1)).astype(jnp.float32)
-        neg = (((s7 | (_parity(s7) << 7)) >> k.astype(jnp.uint32)) & 1).astype(jnp.float32)
-        sums = jnp.sum(mag * (1 - 2 * neg) * x, axis=3)  # [BO, NB, 32]
+    signed_x = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ sign, jnp.float32)
+    sums = jnp.sum(mag * signed_x, axis=3)  # [BO, NB, 32]
     d = _f16_at(w_ref, rows[:, None], (n_in // 256 * 64 + 2 * b if planar else b * 66)[None, :])[:, :, None]
     scale = d * (jnp.squeeze(aux >> 28, 3).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)
     return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
 
 
-# JDS41_IQ2_STEP (an A/B switch for this session's GPU measurement, read at import): which IQ2_XXS step runs.
-IQ2_STEP = os.environ.get("JDS41_IQ2_STEP", "octets")
-_IQ2_STEPS = {"grouped": lambda **kw: functools.partial(_step_iq2_xxs, **kw),
-              "octets": lambda **kw: functools.partial(_step_iq2_xxs_octets, magic=False, **kw),
-              "octets_magic": lambda **kw: functools.partial(_step_iq2_xxs_octets, magic=True, **kw)}
+def _step_q2_k(w_ref, x_ref, rows, kx, b, **_):
+    """An 84-byte block: 16 bytes of (4-bit scale | 4-bit min << 4) for 16 sub-blocks of 16, 64 bytes of 2-bit
+    quants (value c*128 + s*32 + l at bits 2s of byte c*32 + l), f16 d, f16 dmin. Per sub-block the sum of q*x
+    and of x; then d * sum(scale * qx) - dmin * sum(min * x), the factoring ggml's own Q2_K dot uses."""
+    r4, b4 = rows[:, None, None, None], b[None, :, None, None]
+    sb, v = _ar(16, 2, 4), _ar(16, 3, 4)  # [1, 1, 16, 1] sub-blocks, [1, 1, 1, 16] values in one
+    q_at = b4 * 84 + 16 + (sb >> 3) * 32 + (sb & 1) * 16 + v  # sub-block sb = 8c + 2s + h: byte c*32 + h*16 + v
+    q = _small_int_to_f32((w_ref[r4, q_at].astype(jnp.int32) >> (2 * ((sb >> 1) & 3))) & 3)  # [BO, NB, 16, 16]
+    x = x_ref[kx, b[:, None, None] * 256 + sb[0] * 16 + v[0]]  # [NB, 16, 16]
+    qx = jnp.sum(q * x[None], axis=3)  # [BO, NB, 16]
+    xs = jnp.sum(x, axis=2)[None]  # [1, NB, 16]
+    sc = w_ref[rows[:, None, None], (b[:, None] * 84 + _ar(16, 1, 2))[None]].astype(jnp.int32)  # [BO, NB, 16]
+    d = _f16_at(w_ref, rows[:, None], (b * 84 + 80)[None, :])  # [BO, NB]
+    dmin = _f16_at(w_ref, rows[:, None], (b * 84 + 82)[None, :])
+    scaled = jnp.sum(_small_int_to_f32(sc & 15) * qx, axis=2)
+    mins = jnp.sum(_small_int_to_f32(sc >> 4) * xs, axis=2)
+    return jnp.sum(d * scaled - dmin * mins, axis=1)
 
 
 def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
@@ -269,7 +255,8 @@ def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out:
     rows = idx_ref[k] * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, R] stack
     step_of = {T.MXFP4: functools.partial(_step_mxfp4, planar=planar, n_in=n_in),
                T.Q8_0: functools.partial(_step_q8_0, planar=planar, n_in=n_in),
-               T.IQ2_XXS: _IQ2_STEPS[IQ2_STEP](tbl_ref=tbl_ref, planar=planar, n_in=n_in)}[qtype]
+               T.IQ2_XXS: functools.partial(_step_iq2_xxs, tbl_ref=tbl_ref, planar=planar, n_in=n_in),
+               T.Q2_K: _step_q2_k}[qtype]
 
     def step(t, acc_O):
         return acc_O + step_of(w_ref, x_ref, rows, kx, t * nb + jnp.arange(nb, dtype=jnp.int32))
