@@ -60,10 +60,11 @@ _BACKEND = importlib.util.find_spec("jax.experimental.pallas.triton") is not Non
 # the 32-value formats, whose tiles were measured so on the H200) of the formats the kernel decodes
 BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66), T.Q2_K: (256, 84, 84)}
 # (qtype, layout) pairs the kernel reads: Q8_0 only planar (its GGML rows, loaded byte by byte, ran at a quarter of
-# XLA's speed), IQ2_XXS in both layouts (an engine with planar weights regroups it too). Q2_K (V4.1's down product
-# [5120, 2304]: 9 blocks a row, so a step holds one block) only with JDS41_Q2K_KERNEL=1, an A/B switch read at
-# import: a first Q2_K kernel took 119 us where XLA takes 89 on the H200 (results/bench_kernels_twobit_h200.jsonl).
-Q2K_KERNEL = os.environ.get("JDS41_Q2K_KERNEL", "0") == "1"
+# XLA's speed), IQ2_XXS in both layouts (an engine with planar weights regroups it too), Q2_K as in the file (V4.1's
+# down product [5120, 2304]: 9 blocks a row, so a step holds one block; 49 us against XLA's 86 on the H200,
+# results/bench_kernels_q2k_iq2tiles_h200.jsonl). JDS41_Q2K_KERNEL=0 leaves Q2_K to XLA (read at import: for A/B
+# benchmarks).
+Q2K_KERNEL = os.environ.get("JDS41_Q2K_KERNEL", "1") != "0"
 KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
                    (T.IQ2_XXS, "planar")} | ({(T.Q2_K, "ggml")} if Q2K_KERNEL else set()))
 # The tile, set by the product's shape alone (so every path that computes a product of that shape, whatever the
