@@ -102,7 +102,7 @@ class Engine:
         loaded = load_tensors(gguf, matrix_names(cfg, with_routed_experts=profile is None), progress=progress)
         params = load_params(cfg, gguf, act_round=NUMERICS[numerics], raw=loaded.arrays,
                              with_routed_experts=profile is None)
-        planar = planar_weights(NUMERICS[numerics])  # Q8_0 / MXFP4 rows regrouped for the GPU kernels, same values
+        planar = planar_weights(NUMERICS[numerics])  # PLANAR_TYPES rows regrouped for the GPU kernels, same values
         if planar:
             params = planar_params(params)
         tiers = None

@@ -248,10 +248,13 @@ def engram_ffi_for(engine) -> EngramFfi | None:
 
     JDS41_ENGRAM_HOST: "callback" always the callback; "ffi" the handler wherever it can be built and has a form
     for the row source; unset ("auto") the same, except for an SSD expert tier with hash layers. There the
-    callback also starts the fed tokens' hash-layer expert reads before the step; the handler hands the ids to a
-    thread instead (the token feed), and on the H200 that was slower: lucebox V4.1 4-layer decode at 23.6 and
-    27.1 tok/s against the callback's 28.6 and 28.4 (experiments/results/bench_decode_engram_ffi_lucebox_*), the
-    slot cache's stall 4.3-5.5 s against 3.9 s: the reads start later than the step's first SSD layer needs them.
+    callback also starts the fed tokens' hash-layer expert reads before the step, and the handler hands the ids to
+    a thread instead (the token feed), which starts them later. That case has not been measured: the lucebox A/B
+    once cited for it (V4.1 4 layers, handler 23.6 / 27.1 tok/s against the callback's 28.6 / 28.4,
+    experiments/results/bench_decode_engram_ffi_lucebox_*) ran a file with no hash layer, so no feed, and the
+    same code's lucebox rows later ranged 23.3-32.1 tok/s from call to call (bench_decode_final_* and
+    bench_decode_warmfix_*): within that spread. The callback stays there until a file with hash layers on an
+    SSD tier is timed both ways.
     """
     choice = os.environ.get(ENV_CHOICE, "auto")
     if engine.engram is None or choice == "callback":

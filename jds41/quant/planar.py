@@ -1,4 +1,4 @@
-"""The planar row layout of Q8_0 and MXFP4 weights: every block's quant bytes first, then every block's scale.
+"""The planar row layout of Q8_0, MXFP4 and IQ2_XXS weights: every block's quant bytes first, then every scale.
 
 Why (experiments/README.md, "Where the step's time goes"): a GGML row interleaves a block's scale with its quants
 (Q8_0: 2 + 32 bytes, MXFP4: 1 + 16), so no block starts on a 4-byte boundary. XLA:GPU read Q8_0 rows at ~900 GB/s
@@ -12,7 +12,10 @@ A row keeps its length (so shapes, byte counts, tier budgets and row gathers are
 contiguous from the row's start (16-byte aligned whenever the row length is: rows of whole 256-value multiples
 are), and the values are bit for bit those of the GGML row (`dequantize_planar` decodes each block's fields with
 the same functions as blocks.py). Within a block the quant bytes keep their GGML order (MXFP4: byte j holds value j
-in its low nibble and value j + 16 in its high one).
+in its low nibble and value j + 16 in its high one). IQ2_XXS (2 + 64 bytes a block) takes the layout too, so its
+group words start 8-byte aligned; on the H200 that bought its kernel nothing measurable (68.1 us planar against
+70.1 GGML in one call, 71.8 against 71.2 in another) and XLA's reads ~3% (results/bench_kernels_iq2_steps_h200.jsonl,
+bench_kernels_q2k_iq2tiles_h200.jsonl).
 
 Planar rows exist only in memory: files and Orbax checkpoints keep GGML rows. An engine that runs the GPU kernels
 regroups its resident weights once, on the device, after loading (`planar_params`), its tier stores regroup the
@@ -88,7 +91,7 @@ def to_planar_on_device(raw, qtype):
 
 
 def planar_params(params: dict) -> dict:
-    """The parameter pytree with its Q8_0 / MXFP4 `QTensor` leaves regrouped into planar rows on the device (GGML
+    """The parameter pytree with its PLANAR_TYPES `QTensor` leaves regrouped into planar rows on the device (GGML
     rows go in, donated, one tensor at a time); values unchanged, other leaves pass through.
 
     A routed expert stack must have one layout wherever its rows are read: Triton compiled the two layouts' MXFP4

@@ -17,7 +17,7 @@ sums reach memory. Other platforms get the plain sum, which XLA:GPU fuses and ru
 tests/test_quant_hlo.py checks the compiled HLO on whichever backend runs it.
 
 On CUDA the one-token products (`qmatvec`, `qmatvec_experts`) of the formats and layouts the Triton kernel takes
-(MXFP4, planar Q8_0, IQ2_XXS: jds41/quant/triton_matvec.py) are that kernel instead (`rows_matvec`: XLA read
+(MXFP4, planar Q8_0, IQ2_XXS, Q2_K: jds41/quant/triton_matvec.py) are that kernel instead (`rows_matvec`: XLA read
 them at 4-20% of HBM bandwidth there); `xla_rows_matvec` is their XLA spelling, what every other platform runs and
 the kernel is tested against. A tensor's `layout` says how its rows hold the blocks (quant/planar.py).
 
@@ -77,7 +77,7 @@ class QTensor:
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
     act_round: str | None = None  # None or "ggml-cpu": how products round the activation (module docstring)
-    # "ggml": rows as in the file; "planar": Q8_0 / MXFP4 rows regrouped on the device, quants first, then scales
+    # "ggml": rows as in the file; "planar": PLANAR_TYPES rows regrouped on the device, quants first, then scales
     # (jds41/quant/planar.py): the same values, aligned loads for the GPU kernels.
     layout: str = "ggml"
 

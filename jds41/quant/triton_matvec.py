@@ -10,18 +10,19 @@ and Q8_0 rows at ~900 GB/s. A kernel over Q8_0 rows in the GGML layout has to lo
 Owns `rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout) -> f32 [K, O]`: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i]
 over raw rows `raw[E, O, row_bytes]` (a whole stack, or the K rows a tier gathered) of one of KINDS: MXFP4 in the
 GGML layout (as in the file) or the planar one (what an engine with planar weights holds in every tier), Q8_0
-planar, IQ2_XXS as in the file; `supported(...)`, which says when it applies; `default_tile`, the tile rule; and
-`planar_weights()`, whether an engine regroups its resident weights for it. `qtensor.qmatvec_experts` and
-`qtensor.qmatvec` call it on CUDA only (`lax.platform_dependent`); every other platform and format, and the
-`rows_as_dots` / `act_round` products, keep the XLA spelling, which stays the reference (tests/test_triton_matvec.py:
-the kernel in Pallas' interpreter on the CPU against a float64 re-derivation from gguf-py's dequantizer; on the GPU
-against XLA).
+planar, IQ2_XXS in either layout, Q2_K as in the file; `supported(...)`, which says when it applies;
+`default_tile`, the tile rule; and `planar_weights()`, whether an engine regroups its resident weights for it.
+`qtensor.qmatvec_experts` and `qtensor.qmatvec` call it on CUDA only (`lax.platform_dependent`); every other
+platform and format, and the `rows_as_dots` / `act_round` products, keep the XLA spelling, which stays the
+reference (tests/test_triton_matvec.py: the kernel in Pallas' interpreter on the CPU against a float64
+re-derivation from gguf-py's dequantizer; on the GPU against XLA).
 
 Loads: a program's step gathers its [BO rows, NB blocks, ...] bytes with explicit offsets (row * row_bytes + the
 field's offset in the block), so any block size works and a warp's loads of a block's contiguous bytes coalesce;
 in the planar layout the quants start at block * P from the row's start (P = 16 for MXFP4, 32 for Q8_0), aligned,
 so Triton can load 16 bytes at once. MXFP4 decode: `_e2m1_doubled`, integer and float ops per value, no conversion
-or select. IQ2_XXS: one lookup per 8 values in the packed grid table blocks.py builds from gguf-py's grid.
+or select. IQ2_XXS: one lookup per 8 values in the packed grid table blocks.py builds from gguf-py's grid. The
+two-bit formats turn their small integer codes into floats with `_small_int_to_f32` (no conversion instruction).
 
 Arithmetic (the same for every program, whatever E, K, the row's tier or the grid, for one tile): each step function
 says its in-block order; the NB blocks of a step are summed and added to one f32 accumulator per row, step after
@@ -90,7 +91,7 @@ def supported(qtype, stack_bytes: int, layout: str = "ggml") -> bool:
 
 
 def planar_weights(act_round: str | None = None) -> bool:
-    """Whether an engine regroups its resident Q8_0 / MXFP4 weights into planar rows (jds41/quant/planar.py) for
+    """Whether an engine regroups its resident PLANAR_TYPES weights into planar rows (jds41/quant/planar.py) for
     these kernels: where they run (CUDA, or every platform with JDS41_TRITON=interpret) and the activation is read
     as is. Elsewhere the GGML rows stay, and XLA reads either layout to the same bits."""
     if not (ENABLED and PLANAR) or act_round is not None or not (_BACKEND or INTERPRET):

@@ -104,7 +104,7 @@ class TierRuntime:
 def open_tiers(gguf, params: dict, profile_name: str, usage_path: str | None = None,
                planar: bool = False) -> tuple[dict, TierRuntime]:
     """(params with experts placed by the profile, the runtime that owns the stores). `params` need not hold the
-    routed stacks: the stores read the placed experts themselves. `planar`: the stores hold Q8_0 / MXFP4 stacks in
+    routed stacks: the stores read the placed experts themselves. `planar`: the stores hold PLANAR_TYPES stacks in
     planar rows (the engine's resident weights are planar: quant/planar.py)."""
     profile = load_profile(profile_name)
     placement = placement_for_model(gguf, profile, usage_path)

@@ -164,7 +164,7 @@ class ExpertStore(abc.ABC):
 def _stacks_for(layout: ExpertLayout, local: dict[Key, int], reader: ExpertReader,
                 sharding: jax.sharding.Sharding, planar: bool = False) -> dict[int, dict[str, QTensor]]:
     """Per layer, the experts of `local` read (O_DIRECT, straight into the stack rows) and placed with `sharding`;
-    with `planar`, Q8_0 / MXFP4 stacks are regrouped into planar rows on the way (quant/planar.py)."""
+    with `planar`, PLANAR_TYPES stacks are regrouped into planar rows on the way (quant/planar.py)."""
     stacks = {}
     for layer in layout.layers:
         keys = sorted((k for k in local if k[0] == layer), key=local.get)
@@ -496,7 +496,7 @@ def build_stores(layout: ExpertLayout, placement, reader: ExpertReader, *, n_slo
                  slot_memory_kind: str | None = None, alpha: float | None = None, planar: bool = False) -> Stores:
     """The three stores of a placement (a dict, or an object `placement_dict` takes). Tiers 0 and 1 are read
     now, layer by layer through `reader` (O_DIRECT, straight into the stack rows); tier 2 starts empty. `planar`:
-    tiers 0 and 1 hold Q8_0 / MXFP4 stacks in planar rows (the SSD tier's rows stay as in the file, and the graph
+    tiers 0 and 1 hold PLANAR_TYPES stacks in planar rows (the SSD tier's rows stay as in the file, and the graph
     regroups the few it is answered with: tiers/experts.py)."""
     tiers = split_placement(layout, placement_dict(placement))
     ssd = SsdStore(layout, tiers[2], reader, n_slots, device=device, memory_kind=slot_memory_kind,
