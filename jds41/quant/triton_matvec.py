@@ -230,7 +230,7 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int
     return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
 
 
-def _step_q2_k(w_ref, x_ref, rows, kx, b, **_):
+def _step_q2_k(w_ref, x_ref, rows, kx, b):
     """An 84-byte block: 16 bytes of (4-bit scale | 4-bit min << 4) for 16 sub-blocks of 16, 64 bytes of 2-bit
     quants (value c*128 + s*32 + l at bits 2s of byte c*32 + l), f16 d, f16 dmin. Per sub-block the sum of q*x
     and of x; then d * sum(scale * qx) - dmin * sum(min * x), the factoring ggml's own Q2_K dot uses."""
