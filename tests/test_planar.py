@@ -21,6 +21,9 @@ from jds41.quant.planar import dequantize_planar, from_planar, planar_params, qu
 from jds41.quant.random_blocks import random_quantized
 
 FORMATS = [T.Q8_0, T.MXFP4, T.IQ2_XXS]
+# a three-tier placement (HBM, pinned host, SSD through a 2-slot cache) for the engine tests
+SPLIT3 = {"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3, "placement_source": "uniform",
+          "slot_cache_slots": 2, "lookahead": 1, "router_lean": {"enabled": False}}
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
@@ -112,9 +115,7 @@ def test_planar_tier_stores_keep_every_placement_on_the_resident_bits(synthetic_
 
     model = str(synthetic_model("deepseek41", "tiny", "mxfp4"))
     profile = tmp_path / "split3.json"
-    profile.write_text(json.dumps({"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3,
-                                   "placement_source": "uniform", "slot_cache_slots": 2, "lookahead": 1,
-                                   "router_lean": {"enabled": False}}))
+    profile.write_text(json.dumps(SPLIT3))
     toks = [int(t) for t in np.random.default_rng(4).integers(8, 400, 24)]
     want = Engine.open(model, max_ctx=64, prefill_chunk=8).session().feed(toks, all_logits=True)
     monkeypatch.setattr(engine_module, "planar_weights", lambda *_: True)
@@ -145,9 +146,7 @@ def test_two_bit_expert_stacks_go_planar_and_keep_the_resident_bits_in_every_tie
     cfg = dataclasses.replace(preset("deepseek4", "tiny"), dim=256, expert_ff=256)
     assert not synth.write_synthetic(model, cfg, "ds4-q2", progress=False)["fallback_q8_0"]
     profile = tmp_path / "split3.json"
-    profile.write_text(json.dumps({"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3,
-                                   "placement_source": "uniform", "slot_cache_slots": 2, "lookahead": 1,
-                                   "router_lean": {"enabled": False}}))
+    profile.write_text(json.dumps(SPLIT3))
     toks = [int(t) for t in np.random.default_rng(5).integers(8, 400, 16)]
     want = Engine.open(str(model), max_ctx=64, prefill_chunk=8).session().feed(toks, all_logits=True)
     monkeypatch.setattr(engine_module, "planar_weights", lambda *_: True)

@@ -48,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jds41.quant.blocks import IQ2XXS_PACKED_GRID
+from jds41.quant.planar import quant_bytes
 
 # JDS41_TRITON: "1" (default) the kernel on CUDA, "0" off (XLA everywhere), "interpret" the kernel on every
 # platform through Pallas' interpreter: the engine's tests then run the kernel's arithmetic on the CPU
@@ -225,7 +226,8 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int
     x = x_ref[kx, b[:, None, None] * 256 + o[0] * 8 + k[0]][None]  # [1, NB, 32, 8]
     signed_x = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ sign, jnp.float32)
     sums = jnp.sum(mag * signed_x, axis=3)  # [BO, NB, 32]
-    d = _f16_at(w_ref, rows[:, None], (n_in // 256 * 64 + 2 * b if planar else b * 66)[None, :])[:, :, None]
+    d_at = quant_bytes(T.IQ2_XXS, n_in) + 2 * b if planar else b * 66  # planar: the d's after every group
+    d = _f16_at(w_ref, rows[:, None], d_at[None, :])[:, :, None]
     scale = d * (jnp.squeeze(aux >> 28, 3).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)
     return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
 
