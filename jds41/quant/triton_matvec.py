@@ -67,6 +67,9 @@ BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66),
 # results/bench_kernels_q2k_iq2tiles_h200.jsonl). JDS41_Q2K_KERNEL=0 leaves Q2_K to XLA (read at import: for A/B
 # benchmarks).
 Q2K_KERNEL = os.environ.get("JDS41_Q2K_KERNEL", "1") != "0"
+# JDS41_STEP_AB=old: the twenty-first session's Q8_0, IQ2_XXS and Q2_K steps, kept only for one GPU A/B (at import).
+STEP_AB = os.environ.get("JDS41_STEP_AB", "new")
+_OLD_STEPS = STEP_AB == "old"
 KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
                    (T.IQ2_XXS, "planar")} | ({(T.Q2_K, "ggml")} if Q2K_KERNEL else set()))
 # The tile, set by the product's shape alone (so every path that computes a product of that shape, whatever the
@@ -173,12 +176,19 @@ def _step_mxfp4(w_ref, x_ref, rows, kx, b, *, planar: bool, n_in: int):
     return jnp.sum(sums * scale, axis=1)
 
 
+_Q8_MAGIC, _Q8_OFFSET = np.uint32(0x4B000080), np.float32((1 << 23) + 128)
+
+
 def _step_q8_0(w_ref, x_ref, rows, kx, b, *, planar: bool, n_in: int):
     """Planar rows: 32 int8 per block from the row's start, f16 scales after them: sum(q*x) * d. Tiles loaded as
-    in `_step_mxfp4`, for the same reason."""
+    in `_step_mxfp4`, for the same reason. Each int8 v becomes f32 as (2^23 + v + 128) - (2^23 + 128), exact."""
     b2 = b[:, None]  # [NB, 1]
     pos = _ar(32, 1, 2)  # [1, 32]
-    q = lax.bitcast_convert_type(w_ref[rows[:, None, None], (b2 * 32 + pos)[None]], jnp.int8).astype(jnp.float32)
+    raw = w_ref[rows[:, None, None], (b2 * 32 + pos)[None]]
+    if _OLD_STEPS:
+        q = lax.bitcast_convert_type(raw, jnp.int8).astype(jnp.float32)
+    else:  # v + 128 = byte ^ 0x80, ORed into 2^23's bits: no int-to-float conversion (an eighth of the FP32 rate)
+        q = lax.bitcast_convert_type(raw.astype(jnp.uint32) ^ _Q8_MAGIC, jnp.float32) - _Q8_OFFSET
     scale = _f16_at(w_ref, rows[:, None], (n_in + 2 * b)[None, :])  # [BO, NB]
     sums = jnp.sum(q * x_ref[kx, b2 * 32 + pos][None], axis=2)
     return jnp.sum(sums * scale, axis=1)
@@ -199,7 +209,95 @@ def _small_int_to_f32(m):
     return lax.bitcast_convert_type(m | _MAGIC_I, jnp.float32) - _MAGIC_F
 
 
+_MAGIC_U = np.uint32(0x4B000000)
+
+
+def _field_to_f32(word, shift: int, mask: int):
+    """The unsigned bit field (word >> shift) & mask of uint32 `word` (constant shift and mask) as f32, exactly:
+    ORed into 2^23's bits, minus 2^23 (as `_small_int_to_f32`)."""
+    return lax.bitcast_convert_type(((word >> np.uint32(shift)) & np.uint32(mask)) | _MAGIC_U, jnp.float32) - _MAGIC_F
+
+
+def _iq2xxs_kernel_table() -> np.ndarray:
+    """The IQ2_XXS step's one lookup table, uint32: words 2g and 2g + 1 hold grid entry g's magnitudes (8, 25 or 43)
+    as bytes, values 0-3 and 4-7; word SIGNS_AT + i holds sign index i's 8 sign bits, i | parity(i) << 7."""
+    codes = (IQ2XXS_PACKED_GRID[:, None].astype(np.uint32) >> (2 * np.arange(8, dtype=np.uint32))) & 3
+    mags = np.array([8, 25, 43], np.uint32)[codes].reshape(256, 2, 4)
+    words = (mags << (8 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32).reshape(512)
+    i = np.arange(128, dtype=np.uint32)
+    parity = np.array([bin(int(v)).count("1") & 1 for v in i], np.uint32)
+    return np.concatenate([words, i | (parity << 7)]).astype(np.uint32)
+
+
+IQ2XXS_KERNEL_TABLE, _IQ2_SIGNS_AT = _iq2xxs_kernel_table(), 512
+
+
 def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int):
+    """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
+    4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o (group
+    o // 4, slot o % 4) holds 8 values: magnitudes from the grid entry of its index byte, signs from its sign index
+    (with ggml's even-parity bit 7), both looked up in IQ2XXS_KERNEL_TABLE. Per octet sum over k = 0..7 of
+    mag_k * (+-x_k) in that order, times d * (0.5 + s) / 4, then over octets and blocks.
+
+    Why this shape: the octet's work (index and sign loads, the lookups, the scale) is done once on [BO, NB, 32]
+    tensors and the 8 values of an octet are a Python loop, so every shift is a constant and nothing per octet is
+    repeated per value. The octet step before it held [BO, NB, 32, 8] tensors, in which Triton's layouts repeated
+    the octet's work across the threads holding its values: ~23 instructions per value, 68 us for V4.1's six
+    [2304, 5120] products on the H200 (results/bench_kernels_iq2_steps_h200.jsonl). Per value here: a byte of
+    the magnitude word to f32 (`_field_to_f32`), the sign bit XORed into x, one multiply-add."""
+    if _OLD_STEPS:
+        return _step_iq2_xxs_octets(w_ref, x_ref, rows, kx, b, tbl_ref=tbl_ref, planar=planar, n_in=n_in)
+    r3, o = rows[:, None, None], _ar(32, 2, 3)  # [BO, 1, 1], [1, 1, 32] octets
+    group = b[None, :, None] * (64 if planar else 66) + (0 if planar else 2) + (o >> 2) * 8
+    idx = w_ref[r3, group + (o & 3)].astype(jnp.int32)  # [BO, NB, 32]
+    aux = w_ref[r3, group + 4].astype(jnp.uint32)
+    for byte in range(1, 4):
+        aux = aux | (w_ref[r3, group + 4 + byte].astype(jnp.uint32) << (8 * byte))
+    mags = (tbl_ref[2 * idx], tbl_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
+    s7 = ((aux >> (7 * (o & 3)).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)
+    signs = tbl_ref[_IQ2_SIGNS_AT + s7]
+    x_at = b[:, None] * 256 + o[0] * 8  # [NB, 32]: each octet's first value
+    acc = None
+    for k in range(8):
+        x = x_ref[kx, x_at + k][None]  # [1, NB, 32]
+        signed_x = lax.bitcast_convert_type(
+            lax.bitcast_convert_type(x, jnp.uint32) ^ ((signs << np.uint32(31 - k)) & _SIGN), jnp.float32)
+        term = _field_to_f32(mags[k >> 2], 8 * (k & 3), 0xFF) * signed_x
+        acc = term if acc is None else acc + term
+    d_at = quant_bytes(T.IQ2_XXS, n_in) + 2 * b if planar else b * 66  # planar: the d's after every group
+    d = _f16_at(w_ref, rows[:, None], d_at[None, :])[:, :, None]
+    scale = d * ((aux >> 28).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)
+    return jnp.sum(jnp.sum(acc * scale, axis=2), axis=1)
+
+
+def _step_q2_k(w_ref, x_ref, rows, kx, b):
+    """An 84-byte block: 16 bytes of (4-bit scale | 4-bit min << 4) for 16 sub-blocks of 16, 64 bytes of 2-bit
+    quants (value c*128 + s*32 + l at bits 2s of byte c*32 + l), f16 d, f16 dmin. The quant bytes load once as
+    [BO, NB, 4 quarters j = 2c + h, 16]; for each shift s (a Python loop, so the shift is a constant) the quarter's
+    values are sub-block 8c + 2s + h. Per sub-block the sum of q*x and of x; summed over the 4 quarters per s, then
+    over s; then d * sum(scale * qx) - dmin * sum(min * x), the factoring ggml's own Q2_K dot uses. (The step
+    before it held [BO, NB, 16 sub-blocks, 16] and so loaded every quant byte four times, with variable shifts.)"""
+    if _OLD_STEPS:
+        return _step_q2_k_subblocks(w_ref, x_ref, rows, kx, b)
+    r4, j, v = rows[:, None, None, None], _ar(4, 2, 4), _ar(16, 3, 4)  # [BO,1,1,1], [1,1,4,1], [1,1,1,16]
+    q = w_ref[r4, b[None, :, None, None] * 84 + 16 + j * 16 + v].astype(jnp.uint32)  # [BO, NB, 4, 16]
+    r3, b3, j3 = rows[:, None, None], b[None, :, None], _ar(4, 2, 3)
+    x_at = b[:, None, None] * 256 + (j[0] >> 1) * 128 + (j[0] & 1) * 16 + v[0]  # [NB, 4, 16], s = 0
+    scaled = mins = None
+    for s in range(4):
+        x = x_ref[kx, x_at + 32 * s]  # [NB, 4, 16]
+        qx = jnp.sum(_field_to_f32(q, 2 * s, 3) * x[None], axis=3)  # [BO, NB, 4]
+        sc = w_ref[r3, b3 * 84 + (j3 >> 1) * 8 + 2 * s + (j3 & 1)].astype(jnp.int32)  # [BO, NB, 4]
+        part_scaled = jnp.sum(_small_int_to_f32(sc & 15) * qx, axis=2)  # [BO, NB]
+        part_mins = jnp.sum(_small_int_to_f32(sc >> 4) * jnp.sum(x, axis=2)[None], axis=2)
+        scaled = part_scaled if scaled is None else scaled + part_scaled
+        mins = part_mins if mins is None else mins + part_mins
+    d = _f16_at(w_ref, rows[:, None], (b * 84 + 80)[None, :])  # [BO, NB]
+    dmin = _f16_at(w_ref, rows[:, None], (b * 84 + 82)[None, :])
+    return jnp.sum(d * scaled - dmin * mins, axis=1)
+
+
+def _step_iq2_xxs_octets(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int):
     """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
     4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o (group
     o // 4, slot o % 4) holds 8 values: magnitudes from the packed grid entry of its index byte, signs from its
@@ -232,7 +330,7 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int
     return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
 
 
-def _step_q2_k(w_ref, x_ref, rows, kx, b):
+def _step_q2_k_subblocks(w_ref, x_ref, rows, kx, b):
     """An 84-byte block: 16 bytes of (4-bit scale | 4-bit min << 4) for 16 sub-blocks of 16, 64 bytes of 2-bit
     quants (value c*128 + s*32 + l at bits 2s of byte c*32 + l), f16 d, f16 dmin. Per sub-block the sum of q*x
     and of x; then d * sum(scale * qx) - dmin * sum(min * x), the factoring ggml's own Q2_K dot uses."""
@@ -299,7 +397,8 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=warps, num_stages=2)
-    tables = (jnp.asarray(IQ2XXS_PACKED_GRID),) if qtype == T.IQ2_XXS else ()
+    tables = ((jnp.asarray(IQ2XXS_PACKED_GRID if _OLD_STEPS else IQ2XXS_KERNEL_TABLE),) if qtype == T.IQ2_XXS
+              else ())
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((K, n_out), jnp.float32), grid=(K, n_out // bo),
         out_specs=pl.BlockSpec((1, bo), lambda k, j: (k, j)), compiler_params=params, interpret=interpret,
