@@ -67,7 +67,7 @@ BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66),
 # results/bench_kernels_q2k_iq2tiles_h200.jsonl). JDS41_Q2K_KERNEL=0 leaves Q2_K to XLA (read at import: for A/B
 # benchmarks).
 Q2K_KERNEL = os.environ.get("JDS41_Q2K_KERNEL", "1") != "0"
-# JDS41_STEP_AB=old: the twenty-first session's Q8_0, IQ2_XXS and Q2_K steps, kept only for one GPU A/B (at import).
+# JDS41_STEP_AB=old: the twenty-first session's Q8_0 and IQ2_XXS steps, kept only for one GPU A/B (read at import).
 STEP_AB = os.environ.get("JDS41_STEP_AB", "new")
 _OLD_STEPS = STEP_AB == "old"
 KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
@@ -270,33 +270,6 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int
     return jnp.sum(jnp.sum(acc * scale, axis=2), axis=1)
 
 
-def _step_q2_k(w_ref, x_ref, rows, kx, b):
-    """An 84-byte block: 16 bytes of (4-bit scale | 4-bit min << 4) for 16 sub-blocks of 16, 64 bytes of 2-bit
-    quants (value c*128 + s*32 + l at bits 2s of byte c*32 + l), f16 d, f16 dmin. The quant bytes load once as
-    [BO, NB, 4 quarters j = 2c + h, 16]; for each shift s (a Python loop, so the shift is a constant) the quarter's
-    values are sub-block 8c + 2s + h. Per sub-block the sum of q*x and of x; summed over the 4 quarters per s, then
-    over s; then d * sum(scale * qx) - dmin * sum(min * x), the factoring ggml's own Q2_K dot uses. (The step
-    before it held [BO, NB, 16 sub-blocks, 16] and so loaded every quant byte four times, with variable shifts.)"""
-    if _OLD_STEPS:
-        return _step_q2_k_subblocks(w_ref, x_ref, rows, kx, b)
-    r4, j, v = rows[:, None, None, None], _ar(4, 2, 4), _ar(16, 3, 4)  # [BO,1,1,1], [1,1,4,1], [1,1,1,16]
-    q = w_ref[r4, b[None, :, None, None] * 84 + 16 + j * 16 + v].astype(jnp.uint32)  # [BO, NB, 4, 16]
-    r3, b3, j3 = rows[:, None, None], b[None, :, None], _ar(4, 2, 3)
-    x_at = b[:, None, None] * 256 + (j[0] >> 1) * 128 + (j[0] & 1) * 16 + v[0]  # [NB, 4, 16], s = 0
-    scaled = mins = None
-    for s in range(4):
-        x = x_ref[kx, x_at + 32 * s]  # [NB, 4, 16]
-        qx = jnp.sum(_field_to_f32(q, 2 * s, 3) * x[None], axis=3)  # [BO, NB, 4]
-        sc = w_ref[r3, b3 * 84 + (j3 >> 1) * 8 + 2 * s + (j3 & 1)].astype(jnp.int32)  # [BO, NB, 4]
-        part_scaled = jnp.sum(_small_int_to_f32(sc & 15) * qx, axis=2)  # [BO, NB]
-        part_mins = jnp.sum(_small_int_to_f32(sc >> 4) * jnp.sum(x, axis=2)[None], axis=2)
-        scaled = part_scaled if scaled is None else scaled + part_scaled
-        mins = part_mins if mins is None else mins + part_mins
-    d = _f16_at(w_ref, rows[:, None], (b * 84 + 80)[None, :])  # [BO, NB]
-    dmin = _f16_at(w_ref, rows[:, None], (b * 84 + 82)[None, :])
-    return jnp.sum(d * scaled - dmin * mins, axis=1)
-
-
 def _step_iq2_xxs_octets(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int):
     """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
     4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o (group
@@ -330,7 +303,7 @@ def _step_iq2_xxs_octets(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_
     return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
 
 
-def _step_q2_k_subblocks(w_ref, x_ref, rows, kx, b):
+def _step_q2_k(w_ref, x_ref, rows, kx, b):
     """An 84-byte block: 16 bytes of (4-bit scale | 4-bit min << 4) for 16 sub-blocks of 16, 64 bytes of 2-bit
     quants (value c*128 + s*32 + l at bits 2s of byte c*32 + l), f16 d, f16 dmin. Per sub-block the sum of q*x
     and of x; then d * sum(scale * qx) - dmin * sum(min * x), the factoring ggml's own Q2_K dot uses."""
