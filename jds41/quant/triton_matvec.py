@@ -67,7 +67,8 @@ BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66),
 # results/bench_kernels_q2k_iq2tiles_h200.jsonl). JDS41_Q2K_KERNEL=0 leaves Q2_K to XLA (read at import: for A/B
 # benchmarks).
 Q2K_KERNEL = os.environ.get("JDS41_Q2K_KERNEL", "1") != "0"
-# JDS41_STEP_AB=old: the twenty-first session's Q8_0 and IQ2_XXS steps, kept only for one GPU A/B (read at import).
+# JDS41_STEP_AB=old: the twenty-first session's Q8_0 and IQ2_XXS steps; =lanes: the IQ2_XXS step over [BO, NB, 32]
+# octets; kept only for one GPU A/B (read at import).
 STEP_AB = os.environ.get("JDS41_STEP_AB", "new")
 _OLD_STEPS = STEP_AB == "old"
 KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
@@ -234,6 +235,52 @@ IQ2XXS_KERNEL_TABLE, _IQ2_SIGNS_AT = _iq2xxs_kernel_table(), 512
 
 def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int):
     """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
+    4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o = 4g + j
+    (group g, slot j) holds 8 values: magnitudes from the grid entry of its index byte, signs from its sign index
+    (with ggml's even-parity bit 7), both looked up in IQ2XXS_KERNEL_TABLE. Per octet the sum over k = 0..7 of
+    mag_k * (+-x_k) in that order, times d * (0.5 + s) / 4, then over octets and blocks. x comes permuted
+    (`_octet_major`): value 8o + k of a block at 32k + o.
+
+    Why this shape: the octet's work (index and sign loads, the lookups, the scale) is done once on
+    [BO, NB, 8, 4] tensors (a group's sign word once, not once per slot) and the 8 values of an octet are a Python
+    loop, so every shift is a constant and each k loads 32 contiguous floats of the permuted x. The octet step
+    before it held [BO, NB, 32, 8] tensors, in which Triton's layouts repeated the octet's work across the threads
+    holding its values: ~23 instructions per value, 68 us for V4.1's six [2304, 5120] products on the H200
+    (results/bench_kernels_iq2_steps_h200.jsonl). Per value here: a byte of the magnitude word to f32
+    (`_field_to_f32`), the sign bit XORed into x, one multiply-add."""
+    if STEP_AB in ("old", "lanes"):
+        step = _step_iq2_xxs_octets if _OLD_STEPS else _step_iq2_xxs_lanes
+        return step(w_ref, x_ref, rows, kx, b, tbl_ref=tbl_ref, planar=planar, n_in=n_in)
+    r4, g, j = rows[:, None, None, None], _ar(8, 2, 4), _ar(4, 3, 4)  # [BO,1,1,1], [1,1,8,1] groups, [1,1,1,4] slots
+    group = b[None, :, None, None] * (64 if planar else 66) + (0 if planar else 2) + g * 8
+    idx = w_ref[r4, group + j].astype(jnp.int32)  # [BO, NB, 8, 4]
+    aux = w_ref[r4, group + 4].astype(jnp.uint32)  # [BO, NB, 8, 1]
+    for byte in range(1, 4):
+        aux = aux | (w_ref[r4, group + 4 + byte].astype(jnp.uint32) << (8 * byte))
+    mags = (tbl_ref[2 * idx], tbl_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
+    signs = tbl_ref[_IQ2_SIGNS_AT + ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)]
+    x_at = b[:, None, None] * 256 + g[0] * 4 + j[0]  # [NB, 8, 4]: octet o's value 0 in the permuted x
+    acc = None
+    for k in range(8):
+        x = x_ref[kx, x_at + 32 * k][None]  # [1, NB, 8, 4]
+        signed_x = lax.bitcast_convert_type(
+            lax.bitcast_convert_type(x, jnp.uint32) ^ ((signs << np.uint32(31 - k)) & _SIGN), jnp.float32)
+        term = _field_to_f32(mags[k >> 2], 8 * (k & 3), 0xFF) * signed_x
+        acc = term if acc is None else acc + term
+    d_at = quant_bytes(T.IQ2_XXS, n_in) + 2 * b if planar else b * 66  # planar: the d's after every group
+    d = _f16_at(w_ref, rows[:, None], d_at[None, :])[:, :, None, None]
+    scale = d * ((aux >> 28).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)  # [BO, NB, 8, 1]
+    return jnp.sum(jnp.sum(jnp.sum(acc * scale, axis=3), axis=2), axis=1)
+
+
+def _octet_major(x_XI: jax.Array) -> jax.Array:
+    """x [X, I] with each 256-value block's value 8o + k moved to 32k + o (the IQ2_XXS step's x)."""
+    X, n_in = x_XI.shape
+    return x_XI.reshape(X, n_in // 256, 32, 8).swapaxes(2, 3).reshape(X, n_in)
+
+
+def _step_iq2_xxs_lanes(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int):
+    """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
     4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o (group
     o // 4, slot o % 4) holds 8 values: magnitudes from the grid entry of its index byte, signs from its sign index
     (with ggml's even-parity bit 7), both looked up in IQ2XXS_KERNEL_TABLE. Per octet sum over k = 0..7 of
@@ -245,8 +292,6 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int
     the octet's work across the threads holding its values: ~23 instructions per value, 68 us for V4.1's six
     [2304, 5120] products on the H200 (results/bench_kernels_iq2_steps_h200.jsonl). Per value here: a byte of
     the magnitude word to f32 (`_field_to_f32`), the sign bit XORed into x, one multiply-add."""
-    if _OLD_STEPS:
-        return _step_iq2_xxs_octets(w_ref, x_ref, rows, kx, b, tbl_ref=tbl_ref, planar=planar, n_in=n_in)
     r3, o = rows[:, None, None], _ar(32, 2, 3)  # [BO, 1, 1], [1, 1, 32] octets
     group = b[None, :, None] * (64 if planar else 66) + (0 if planar else 2) + (o >> 2) * 8
     idx = w_ref[r3, group + (o & 3)].astype(jnp.int32)  # [BO, NB, 32]
@@ -372,6 +417,8 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
         params = plgpu.CompilerParams(num_warps=warps, num_stages=2)
     tables = ((jnp.asarray(IQ2XXS_PACKED_GRID if _OLD_STEPS else IQ2XXS_KERNEL_TABLE),) if qtype == T.IQ2_XXS
               else ())
+    if qtype == T.IQ2_XXS and STEP_AB == "new":
+        x_XI = _octet_major(x_XI)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((K, n_out), jnp.float32), grid=(K, n_out // bo),
         out_specs=pl.BlockSpec((1, bo), lambda k, j: (k, j)), compiler_params=params, interpret=interpret,
