@@ -95,13 +95,6 @@ def planar_weights_on() -> bool:
     return triton_matvec.planar_weights()
 
 
-def triton_matvec_steps() -> str:
-    """Which kernel steps ran (JDS41_STEP_AB, quant/triton_matvec.py: "new", or "old" for an A/B)."""
-    from jds41.quant import triton_matvec
-
-    return triton_matvec.STEP_AB
-
-
 def q2k_kernel_on() -> bool:
     """Whether V4.1's Q2_K products go through the kernel (JDS41_Q2K_KERNEL, quant/triton_matvec.py)."""
     from jds41.quant import triton_matvec
@@ -553,7 +546,6 @@ def main(argv: list[str] | None = None) -> int:
     common = {"bench": "decode", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "triton_kernels": triton_kernels_on(),
               "planar_weights": planar_weights_on(), "q2k_kernel": q2k_kernel_on(),
-              "kernel_steps": triton_matvec_steps(),
               "arch": a.arch, "size": a.size, "layers": a.layers,
               "quant": a.quant,
               "file_gib": round(os.path.getsize(path) / 2**30, 2), "write_s": round(write_s, 1),

@@ -31,7 +31,7 @@ from jds41.quant import row_bytes  # noqa: E402
 from jds41.quant.planar import PLANAR_TYPES, to_planar  # noqa: E402
 from jds41.quant.qtensor import xla_rows_matvec  # noqa: E402
 from jds41.quant.random_blocks import random_quantized  # noqa: E402
-from jds41.quant.triton_matvec import BLOCKS, Q2K_KERNEL, STEP_AB, default_tile, rows_matvec, supported  # noqa: E402
+from jds41.quant.triton_matvec import BLOCKS, Q2K_KERNEL, default_tile, rows_matvec, supported  # noqa: E402
 
 # (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4), one
 # dense MXFP4 matrix of the model width, and its dense Q8_0 matrices: attention's q_b [32768, 1024] and o_b
@@ -108,7 +108,6 @@ def main(argv=None) -> int:
         idx0 = jnp.arange(K, dtype=jnp.int32)
         nbytes = K * n_out * row_bytes(qtype, n_in)
         shape = {"shape": name, "qtype": qtype.name, "experts": E, "out": n_out, "in": n_in, "k": K, "bytes": nbytes}
-        shape["kernel_steps"] = STEP_AB
         if qtype == T.Q2_K:
             shape["q2k_kernel"] = Q2K_KERNEL
         want = np.asarray(jax.jit(lambda x, r, i, q=qtype: xla_rows_matvec(x, r, i, q))(x, ggml, idx0))

@@ -22,7 +22,8 @@ field's offset in the block), so any block size works and a warp's loads of a bl
 in the planar layout the quants start at block * P from the row's start (P = 16 for MXFP4, 32 for Q8_0), aligned,
 so Triton can load 16 bytes at once. MXFP4 decode: `_e2m1_doubled`, integer and float ops per value, no conversion
 or select. IQ2_XXS: one lookup per 8 values in the packed grid table blocks.py builds from gguf-py's grid. The
-two-bit formats turn their small integer codes into floats with `_small_int_to_f32` (no conversion instruction).
+two-bit formats and Q8_0 turn their small integer codes into floats through 2^23's bits (`_small_int_to_f32`,
+`_field_to_f32`: no conversion instruction); IQ2_XXS reads x permuted octet-major (`_octet_major`).
 
 Arithmetic (the same for every program, whatever E, K, the row's tier or the grid, for one tile): each step function
 says its in-block order; the NB blocks of a step are summed and added to one f32 accumulator per row, step after
@@ -67,10 +68,6 @@ BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66),
 # results/bench_kernels_q2k_iq2tiles_h200.jsonl). JDS41_Q2K_KERNEL=0 leaves Q2_K to XLA (read at import: for A/B
 # benchmarks).
 Q2K_KERNEL = os.environ.get("JDS41_Q2K_KERNEL", "1") != "0"
-# JDS41_STEP_AB=old: the twenty-first session's Q8_0 and IQ2_XXS steps; =lanes: the IQ2_XXS step over [BO, NB, 32]
-# octets; kept only for one GPU A/B (read at import).
-STEP_AB = os.environ.get("JDS41_STEP_AB", "new")
-_OLD_STEPS = STEP_AB == "old"
 KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
                    (T.IQ2_XXS, "planar")} | ({(T.Q2_K, "ggml")} if Q2K_KERNEL else set()))
 # The tile, set by the product's shape alone (so every path that computes a product of that shape, whatever the
@@ -111,9 +108,17 @@ def _largest_power_of_two_dividing(n: int, most: int) -> int:
     return b
 
 
+# IQ2_XXS takes its own tile where it divides the shape: V4.1's gate/up [2304, 5120] ran 51.4 us at (16, 2) against
+# 59.9 at the rule's (8, 4) in one H200 sweep (results/bench_kernels_iq2_groups_h200.jsonl); the sweep and the
+# decode rows of experiments/README.md's twenty-second-session section check it.
+IQ2_TILE = (16, 2)
+
+
 def default_tile(qtype, K: int, n_out: int, n_in: int) -> tuple[int, int, int]:
     """(BO, NB, warps) for K products of [n_out, n_in] rows (the module's tile rule; a function of the shape only)."""
     values, _, loaded = BLOCKS[qtype]
+    if qtype == T.IQ2_XXS and n_out % IQ2_TILE[0] == 0 and (n_in // values) % IQ2_TILE[1] == 0:
+        return (*IQ2_TILE, NUM_WARPS)
     bo = _largest_power_of_two_dividing(n_out, min(BO_MAX, max(1, K * n_out // PROGRAMS)))
     most = max(STEP_VALUES_MIN // values, STEP_BYTES // (bo * loaded), 1)
     return bo, _largest_power_of_two_dividing(n_in // values, most), NUM_WARPS
@@ -186,19 +191,11 @@ def _step_q8_0(w_ref, x_ref, rows, kx, b, *, planar: bool, n_in: int):
     b2 = b[:, None]  # [NB, 1]
     pos = _ar(32, 1, 2)  # [1, 32]
     raw = w_ref[rows[:, None, None], (b2 * 32 + pos)[None]]
-    if _OLD_STEPS:
-        q = lax.bitcast_convert_type(raw, jnp.int8).astype(jnp.float32)
-    else:  # v + 128 = byte ^ 0x80, ORed into 2^23's bits: no int-to-float conversion (an eighth of the FP32 rate)
-        q = lax.bitcast_convert_type(raw.astype(jnp.uint32) ^ _Q8_MAGIC, jnp.float32) - _Q8_OFFSET
+    # v + 128 = byte ^ 0x80, ORed into 2^23's bits: no int-to-float conversion (an eighth of the FP32 rate)
+    q = lax.bitcast_convert_type(raw.astype(jnp.uint32) ^ _Q8_MAGIC, jnp.float32) - _Q8_OFFSET
     scale = _f16_at(w_ref, rows[:, None], (n_in + 2 * b)[None, :])  # [BO, NB]
     sums = jnp.sum(q * x_ref[kx, b2 * 32 + pos][None], axis=2)
     return jnp.sum(sums * scale, axis=1)
-
-
-def _parity(v):
-    v = v ^ (v >> 4)
-    v = v ^ (v >> 2)
-    return (v ^ (v >> 1)) & 1
 
 
 _MAGIC_I, _MAGIC_F = np.int32(0x4B000000), np.float32(1 << 23)  # 2^23 as f32 bits, and as a value
@@ -243,14 +240,12 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int
 
     Why this shape: the octet's work (index and sign loads, the lookups, the scale) is done once on
     [BO, NB, 8, 4] tensors (a group's sign word once, not once per slot) and the 8 values of an octet are a Python
-    loop, so every shift is a constant and each k loads 32 contiguous floats of the permuted x. The octet step
-    before it held [BO, NB, 32, 8] tensors, in which Triton's layouts repeated the octet's work across the threads
-    holding its values: ~23 instructions per value, 68 us for V4.1's six [2304, 5120] products on the H200
-    (results/bench_kernels_iq2_steps_h200.jsonl). Per value here: a byte of the magnitude word to f32
-    (`_field_to_f32`), the sign bit XORed into x, one multiply-add."""
-    if STEP_AB in ("old", "lanes"):
-        step = _step_iq2_xxs_octets if _OLD_STEPS else _step_iq2_xxs_lanes
-        return step(w_ref, x_ref, rows, kx, b, tbl_ref=tbl_ref, planar=planar, n_in=n_in)
+    loop, so every shift is a constant and each k loads 32 contiguous floats of the permuted x. Per value: a byte
+    of the magnitude word to f32 (`_field_to_f32`), the sign bit XORed into x, one multiply-add. V4.1's six
+    [2304, 5120] products on the H200 (results/bench_kernels_iq2_groups_h200.jsonl, one call): 71.5 us for the
+    earlier step over [BO, NB, 32, 8] tensors (Triton's layouts repeated each octet's work across the threads
+    holding its values: ~23 instructions a value, ncu), 65.2 for this loop over [BO, NB, 32] octets with x as
+    stored (ncu: 15.6 instructions a value, L1 82% busy with x's strided loads), 59.9 for this step (11 a value)."""
     r4, g, j = rows[:, None, None, None], _ar(8, 2, 4), _ar(4, 3, 4)  # [BO,1,1,1], [1,1,8,1] groups, [1,1,1,4] slots
     group = b[None, :, None, None] * (64 if planar else 66) + (0 if planar else 2) + g * 8
     idx = w_ref[r4, group + j].astype(jnp.int32)  # [BO, NB, 8, 4]
@@ -277,75 +272,6 @@ def _octet_major(x_XI: jax.Array) -> jax.Array:
     """x [X, I] with each 256-value block's value 8o + k moved to 32k + o (the IQ2_XXS step's x)."""
     X, n_in = x_XI.shape
     return x_XI.reshape(X, n_in // 256, 32, 8).swapaxes(2, 3).reshape(X, n_in)
-
-
-def _step_iq2_xxs_lanes(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int):
-    """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
-    4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o (group
-    o // 4, slot o % 4) holds 8 values: magnitudes from the grid entry of its index byte, signs from its sign index
-    (with ggml's even-parity bit 7), both looked up in IQ2XXS_KERNEL_TABLE. Per octet sum over k = 0..7 of
-    mag_k * (+-x_k) in that order, times d * (0.5 + s) / 4, then over octets and blocks.
-
-    Why this shape: the octet's work (index and sign loads, the lookups, the scale) is done once on [BO, NB, 32]
-    tensors and the 8 values of an octet are a Python loop, so every shift is a constant and nothing per octet is
-    repeated per value. The octet step before it held [BO, NB, 32, 8] tensors, in which Triton's layouts repeated
-    the octet's work across the threads holding its values: ~23 instructions per value, 68 us for V4.1's six
-    [2304, 5120] products on the H200 (results/bench_kernels_iq2_steps_h200.jsonl). Per value here: a byte of
-    the magnitude word to f32 (`_field_to_f32`), the sign bit XORed into x, one multiply-add."""
-    r3, o = rows[:, None, None], _ar(32, 2, 3)  # [BO, 1, 1], [1, 1, 32] octets
-    group = b[None, :, None] * (64 if planar else 66) + (0 if planar else 2) + (o >> 2) * 8
-    idx = w_ref[r3, group + (o & 3)].astype(jnp.int32)  # [BO, NB, 32]
-    aux = w_ref[r3, group + 4].astype(jnp.uint32)
-    for byte in range(1, 4):
-        aux = aux | (w_ref[r3, group + 4 + byte].astype(jnp.uint32) << (8 * byte))
-    mags = (tbl_ref[2 * idx], tbl_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
-    s7 = ((aux >> (7 * (o & 3)).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)
-    signs = tbl_ref[_IQ2_SIGNS_AT + s7]
-    x_at = b[:, None] * 256 + o[0] * 8  # [NB, 32]: each octet's first value
-    acc = None
-    for k in range(8):
-        x = x_ref[kx, x_at + k][None]  # [1, NB, 32]
-        signed_x = lax.bitcast_convert_type(
-            lax.bitcast_convert_type(x, jnp.uint32) ^ ((signs << np.uint32(31 - k)) & _SIGN), jnp.float32)
-        term = _field_to_f32(mags[k >> 2], 8 * (k & 3), 0xFF) * signed_x
-        acc = term if acc is None else acc + term
-    d_at = quant_bytes(T.IQ2_XXS, n_in) + 2 * b if planar else b * 66  # planar: the d's after every group
-    d = _f16_at(w_ref, rows[:, None], d_at[None, :])[:, :, None]
-    scale = d * ((aux >> 28).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)
-    return jnp.sum(jnp.sum(acc * scale, axis=2), axis=1)
-
-
-def _step_iq2_xxs_octets(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int):
-    """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
-    4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o (group
-    o // 4, slot o % 4) holds 8 values: magnitudes from the packed grid entry of its index byte, signs from its
-    sign index (with ggml's even-parity bit 7). Sum per octet of mag * (+-x), times d * (0.5 + s) / 4, then over
-    octets and blocks.
-
-    Per value no int-to-float conversion and no select: the magnitude by `_small_int_to_f32`, the sign XORed into
-    x's sign bit. Converting both per value ran 80 us for V4.1's six [2304, 5120] products on the H200, this 68; a
-    form over [.., 8 groups, 4 slots, 8] tensors that loads each sign word once took 110 (187 registers a thread,
-    12% occupancy; results/bench_kernels_iq2_steps_h200.jsonl). This one is bound by its instructions (ncu:
-    ~23 per value, 70% of the SM's issue rate), not by the bytes."""
-    r4, b4 = rows[:, None, None, None], b[None, :, None, None]
-    o, k = _ar(32, 2, 4), _ar(8, 3, 4)  # [1, 1, 32, 1] octets, [1, 1, 1, 8] values in an octet
-    group = b4 * 64 + (o >> 2) * 8 if planar else b4 * 66 + 2 + (o >> 2) * 8
-    idx = w_ref[r4, group + (o & 3)].astype(jnp.int32)  # [BO, NB, 32, 1]
-    aux = w_ref[r4, group + 4].astype(jnp.uint32)
-    for byte in range(1, 4):
-        aux = aux | (w_ref[r4, group + 4 + byte].astype(jnp.uint32) << (8 * byte))
-    code = (tbl_ref[idx].astype(jnp.int32) >> (2 * k)) & 3  # [BO, NB, 32, 8]: 0, 1, 2 for 8, 25, 43
-    mag = _small_int_to_f32(8 + 17 * code + (code >> 1))
-    s7 = (aux >> (7 * (o & 3)).astype(jnp.uint32)) & 0x7F
-    sign = ((s7 | (_parity(s7) << 7)) << (31 - k).astype(jnp.uint32)) & _SIGN  # sign bit k at bit 31
-    # x as [NB, 32, 8] and d as one [BO, NB] tile, then broadcast: the load forms `_step_mxfp4` says are fast.
-    x = x_ref[kx, b[:, None, None] * 256 + o[0] * 8 + k[0]][None]  # [1, NB, 32, 8]
-    signed_x = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) ^ sign, jnp.float32)
-    sums = jnp.sum(mag * signed_x, axis=3)  # [BO, NB, 32]
-    d_at = quant_bytes(T.IQ2_XXS, n_in) + 2 * b if planar else b * 66  # planar: the d's after every group
-    d = _f16_at(w_ref, rows[:, None], d_at[None, :])[:, :, None]
-    scale = d * (jnp.squeeze(aux >> 28, 3).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)
-    return jnp.sum(jnp.sum(sums * scale, axis=2), axis=1)
 
 
 def _step_q2_k(w_ref, x_ref, rows, kx, b):
@@ -415,9 +341,8 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=warps, num_stages=2)
-    tables = ((jnp.asarray(IQ2XXS_PACKED_GRID if _OLD_STEPS else IQ2XXS_KERNEL_TABLE),) if qtype == T.IQ2_XXS
-              else ())
-    if qtype == T.IQ2_XXS and STEP_AB == "new":
+    tables = (jnp.asarray(IQ2XXS_KERNEL_TABLE),) if qtype == T.IQ2_XXS else ()
+    if qtype == T.IQ2_XXS:
         x_XI = _octet_major(x_XI)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((K, n_out), jnp.float32), grid=(K, n_out // bo),
