@@ -21,7 +21,8 @@ Loads: a program's step gathers its [BO rows, NB blocks, ...] bytes with explici
 field's offset in the block), so any block size works and a warp's loads of a block's contiguous bytes coalesce;
 in the planar layout the quants start at block * P from the row's start (P = 16 for MXFP4, 32 for Q8_0), aligned,
 so Triton can load 16 bytes at once. MXFP4 decode: `_e2m1_doubled`, integer and float ops per value, no conversion
-or select. IQ2_XXS: one lookup per 8 values in the packed grid table blocks.py builds from gguf-py's grid. The
+or select. IQ2_XXS: two lookups of magnitude bytes and one of sign bits per 8 values (IQ2XXS_KERNEL_TABLE, from
+the packed grid blocks.py builds from gguf-py's grid). The
 two-bit formats and Q8_0 turn their small integer codes into floats through 2^23's bits (`_small_int_to_f32`,
 `_field_to_f32`: no conversion instruction); IQ2_XXS reads x permuted octet-major (`_octet_major`).
 
