@@ -102,6 +102,13 @@ def q2k_kernel_on() -> bool:
     return triton_matvec.Q2K_KERNEL
 
 
+def kernel_prefetch_on() -> bool:
+    """Whether the kernel loads a step's bytes one step ahead (JDS41_PREFETCH, quant/triton_matvec.py; A/B pending)."""
+    from jds41.quant import triton_matvec
+
+    return triton_matvec.PREFETCH
+
+
 def _machine() -> str:
     import jax
 
@@ -546,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     common = {"bench": "decode", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "triton_kernels": triton_kernels_on(),
               "planar_weights": planar_weights_on(), "q2k_kernel": q2k_kernel_on(),
-              "arch": a.arch, "size": a.size, "layers": a.layers,
+              "kernel_prefetch": kernel_prefetch_on(), "arch": a.arch, "size": a.size, "layers": a.layers,
               "quant": a.quant,
               "file_gib": round(os.path.getsize(path) / 2**30, 2), "write_s": round(write_s, 1),
               "routing": {"source": "zipf-fit selection bias" if a.skew_top10 > 0 else "random weights",

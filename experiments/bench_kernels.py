@@ -4,11 +4,13 @@ layout and the planar one (quant/planar.py), with each one's GB/s, share of HBM 
 over GGML rows. One JSON line per (shape, path, tile). Issue #5, item 4: the
 routed-expert product read MXFP4 at 7% of HBM bandwidth through XLA (experiments/README.md, step parts).
 
-    python experiments/bench_kernels.py [--reps 50] [--tiles] [--shapes a,b] [--out FILE]
+    python experiments/bench_kernels.py [--reps 50] [--tiles [--warps 4,8] [--splits 1,4]] [--shapes a,b] [--out FILE]
 
 Each timed call runs `--reps` products in one jitted `fori_loop`, the expert indices moving on every iteration so
 the rows come from HBM, not from the 60 MB L2 (one call reads 27 MB; 50 calls walk 300 experts of the 1.1 GB
-stack). `--tiles` also sweeps the kernel's tile (rows per program, blocks per step) on every shape but "dense".
+stack). `--tiles` also sweeps the kernel's tile (rows per program, blocks per step, the `--warps` counts
+and the `--splits` of a row) on
+every shape but "dense".
 CPU runs check the code path only (the kernel then runs in Pallas' interpreter on a shrunk shape).
 """
 
@@ -31,7 +33,7 @@ from jds41.quant import row_bytes  # noqa: E402
 from jds41.quant.planar import PLANAR_TYPES, to_planar  # noqa: E402
 from jds41.quant.qtensor import xla_rows_matvec  # noqa: E402
 from jds41.quant.random_blocks import random_quantized  # noqa: E402
-from jds41.quant.triton_matvec import BLOCKS, Q2K_KERNEL, default_tile, rows_matvec, supported  # noqa: E402
+from jds41.quant.triton_matvec import BLOCKS, PREFETCH, Q2K_KERNEL, default_tile, rows_matvec, supported  # noqa: E402
 
 # (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4), one
 # dense MXFP4 matrix of the model width, and its dense Q8_0 matrices: attention's q_b [32768, 1024] and o_b
@@ -50,7 +52,7 @@ SHAPES = (
     ("v41-experts-down", T.Q2_K, 384, 5120, 2304, 6, 6),
 )
 # --tiles: filtered by shape (steps of at least 512 values, at most 16 KB loaded per step)
-TILES = [(bo, nb, 4) for bo in (1, 2, 4, 8, 16) for nb in (2, 4, 8, 16, 32, 64, 128)]
+TILES = [(bo, nb) for bo in (1, 2, 4, 8, 16) for nb in (2, 4, 8, 16, 32, 64, 128)]
 
 
 def _stack(rng, qtype, E: int, n_out: int, n_in: int) -> jax.Array:
@@ -84,6 +86,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--tiles", action="store_true", help="also sweep the kernel tile (every shape but dense)")
+    ap.add_argument("--warps", default="4", help="comma-separated warp counts the --tiles sweep tries")
+    ap.add_argument("--splits", default="1", help="comma-separated row splits the --tiles sweep tries")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
     gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     common = {"bench": "kernels", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
-              "reps": a.reps}
+              "reps": a.reps, "kernel_prefetch": PREFETCH}
     for name, qtype, E, n_out, n_in, K, X in (s for s in SHAPES if s[0] in wanted):
         if not gpu:  # the interpreter is slow: a small stack of the same kind checks the path
             E, n_out, n_in = min(E, 4), 64, 512
@@ -116,9 +120,10 @@ def main(argv=None) -> int:
         if a.tiles and name != "dense":  # the layout the engine gives the kernel: planar where the kernel reads
             lay = "planar" if supported(qtype, 0, "planar") else "ggml"  # it, else the file's
             values, _, loaded = BLOCKS[qtype]
-            paths += [("triton", lay, t) for t in TILES if n_out % t[0] == 0 and (n_in // values) % t[1] == 0
+            paths += [("triton", lay, (*t, int(w), int(sp))) for t in TILES for w in a.warps.split(",")
+                      for sp in a.splits.split(",") if n_out % t[0] == 0 and (n_in // values) % (t[1] * int(sp)) == 0
                       and t[1] * values >= 512 and t[0] * t[1] * loaded <= 16384
-                      and t != default_tile(qtype, K, n_out, n_in)]
+                      and (*t, int(w), int(sp)) != default_tile(qtype, K, n_out, n_in)]
         for path, layout, tile in paths:
             if path == "xla":
                 product = lambda x, r, i, q=qtype, lay=layout: xla_rows_matvec(x, r, i, q, lay)

@@ -74,6 +74,10 @@ def test_the_interpreted_kernel_equals_a_float64_reference(x_rows, qtype, layout
     other = rows_matvec(jnp.asarray(x), rows, jnp.asarray(idx), qtype, layout=layout, interpret=True,
                         tile=(8, 2, 4))
     assert _rel(other, want) < 1e-6
+    # a row split four ways: four programs sum a quarter of the row each, and their sums are added
+    split = rows_matvec(jnp.asarray(x), rows, jnp.asarray(idx), qtype, layout=layout, interpret=True,
+                        tile=(8, 1, 4, 4))
+    assert _rel(split, want) < 1e-6
 
 
 def test_short_rows_and_odd_row_counts_take_smaller_tiles():

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import operator
 import os
 
 import jax
@@ -115,14 +116,15 @@ def _largest_power_of_two_dividing(n: int, most: int) -> int:
 IQ2_TILE = (16, 2)
 
 
-def default_tile(qtype, K: int, n_out: int, n_in: int) -> tuple[int, int, int]:
-    """(BO, NB, warps) for K products of [n_out, n_in] rows (the module's tile rule; a function of the shape only)."""
+def default_tile(qtype, K: int, n_out: int, n_in: int) -> tuple[int, int, int, int]:
+    """(BO, NB, warps, splits) for K products of [n_out, n_in] rows (the module's tile rule; a function of the shape
+    only)."""
     values, _, loaded = BLOCKS[qtype]
     if qtype == T.IQ2_XXS and n_out % IQ2_TILE[0] == 0 and (n_in // values) % IQ2_TILE[1] == 0:
-        return (*IQ2_TILE, NUM_WARPS)
+        return (*IQ2_TILE, NUM_WARPS, 1)
     bo = _largest_power_of_two_dividing(n_out, min(BO_MAX, max(1, K * n_out // PROGRAMS)))
     most = max(STEP_VALUES_MIN // values, STEP_BYTES // (bo * loaded), 1)
-    return bo, _largest_power_of_two_dividing(n_in // values, most), NUM_WARPS
+    return bo, _largest_power_of_two_dividing(n_in // values, most), NUM_WARPS, 1
 
 
 def _mxfp4_scale(e):
@@ -149,10 +151,14 @@ def _e2m1_doubled(q, shift: int):
     return lax.bitcast_convert_type(lax.bitcast_convert_type(kv, jnp.uint32) ^ sign, jnp.float32)
 
 
-def _f16_at(w_ref, r, at):
-    """The little-endian f16 at byte offsets `at` of rows `r` (broadcast together), as f32."""
-    lo = w_ref[r, at].astype(jnp.uint16)
-    hi = w_ref[r, at + 1].astype(jnp.uint16)
+def _f16_bytes(w_ref, r, at):
+    """The two bytes of the little-endian f16s at byte offsets `at` of rows `r` (broadcast together)."""
+    return w_ref[r, at], w_ref[r, at + 1]
+
+
+def _f16_value(lo_hi):
+    """The f16 of `_f16_bytes`' bytes, as f32."""
+    lo, hi = (v.astype(jnp.uint16) for v in lo_hi)
     return lax.bitcast_convert_type(lo | (hi << 8), jnp.float16).astype(jnp.float32)
 
 
@@ -163,40 +169,47 @@ def _ar(n: int, axis: int, rank: int):
     return jnp.arange(n, dtype=jnp.int32).reshape(shape)
 
 
-# Each step function returns the [BO] partial sums of one step: rows `rows` [BO], blocks b [NB] of the step, x row
-# kx. Inside a block the order is fixed by the format (below); blocks are summed, then added to the accumulator.
+# Each format has a load function, which gathers one step's weight bytes (rows `rows` [BO], blocks b [NB] of the
+# step) and nothing else, and a dot function, which turns those bytes and x row kx into the step's [BO] partial
+# sums. Inside a block the order is fixed by the format (below); blocks are summed, then added to the accumulator.
+# The split lets `_kernel` issue step t + 1's loads before step t's arithmetic (see there).
 
 
-def _step_mxfp4(w_ref, x_ref, rows, kx, b, *, planar: bool, n_in: int):
+def _load_mxfp4(w_ref, rows, b, *, planar: bool, n_in: int):
+    b2 = b[:, None]  # [NB, 1]
+    q_at, e_at = (b2 * 16, n_in // 2 + b) if planar else (b2 * 17 + 1, b * 17)
+    return w_ref[rows[:, None, None], (q_at + _ar(16, 1, 2))[None]], w_ref[rows[:, None], e_at[None, :]]
+
+
+def _dot_mxfp4(loaded, x_ref, kx, b):
     """16 nibble bytes per block (value j low, value j + 16 high), an e8m0 scale: sum(lo*x + hi*x) * scale.
     The scales load as a [BO, NB] tile and x as [NB, 16] tiles, the load forms the H200 ran fast (e33c2e9); loaded
     as [BO, NB, 1] and squeezed, and x as [1, NB, 16] (be5a7e8), the resident V4-Flash products took 1.2-2.5x
     longer (experiments/README.md, thirteenth session)."""
-    b2 = b[:, None]  # [NB, 1]
-    pos = _ar(16, 1, 2)  # [1, 16]
-    q_at, e_at = (b2 * 16, n_in // 2 + b) if planar else (b2 * 17 + 1, b * 17)
-    q = w_ref[rows[:, None, None], (q_at + pos)[None]].astype(jnp.uint32)  # [BO, NB, 16]
-    scale = _mxfp4_scale(w_ref[rows[:, None], e_at[None, :]])  # [BO, NB]
+    q, e = loaded[0].astype(jnp.uint32), loaded[1]  # [BO, NB, 16], [BO, NB]
+    b2, pos = b[:, None], _ar(16, 1, 2)
     x_lo = x_ref[kx, b2 * 32 + pos][None]  # [1, NB, 16]: values 0-15 of each block (low nibbles)
     x_hi = x_ref[kx, b2 * 32 + 16 + pos][None]  # values 16-31 (high nibbles)
     sums = jnp.sum(_e2m1_doubled(q, 0) * x_lo + _e2m1_doubled(q, 4) * x_hi, axis=2)
-    return jnp.sum(sums * scale, axis=1)
+    return jnp.sum(sums * _mxfp4_scale(e), axis=1)
 
 
 _Q8_MAGIC, _Q8_OFFSET = np.uint32(0x4B000080), np.float32((1 << 23) + 128)
 
 
-def _step_q8_0(w_ref, x_ref, rows, kx, b, *, planar: bool, n_in: int):
+def _load_q8_0(w_ref, rows, b, *, n_in: int):
+    quants = w_ref[rows[:, None, None], (b[:, None] * 32 + _ar(32, 1, 2))[None]]  # [BO, NB, 32]
+    return quants, _f16_bytes(w_ref, rows[:, None], (n_in + 2 * b)[None, :])
+
+
+def _dot_q8_0(loaded, x_ref, kx, b):
     """Planar rows: 32 int8 per block from the row's start, f16 scales after them: sum(q*x) * d. Tiles loaded as
-    in `_step_mxfp4`, for the same reason. Each int8 v becomes f32 as (2^23 + v + 128) - (2^23 + 128), exact."""
-    b2 = b[:, None]  # [NB, 1]
-    pos = _ar(32, 1, 2)  # [1, 32]
-    raw = w_ref[rows[:, None, None], (b2 * 32 + pos)[None]]
+    in `_load_mxfp4`, for the same reason. Each int8 v becomes f32 as (2^23 + v + 128) - (2^23 + 128), exact."""
+    raw, scale_bytes = loaded
     # v + 128 = byte ^ 0x80, ORed into 2^23's bits: no int-to-float conversion (an eighth of the FP32 rate)
     q = lax.bitcast_convert_type(raw.astype(jnp.uint32) ^ _Q8_MAGIC, jnp.float32) - _Q8_OFFSET
-    scale = _f16_at(w_ref, rows[:, None], (n_in + 2 * b)[None, :])  # [BO, NB]
-    sums = jnp.sum(q * x_ref[kx, b2 * 32 + pos][None], axis=2)
-    return jnp.sum(sums * scale, axis=1)
+    sums = jnp.sum(q * x_ref[kx, b[:, None] * 32 + _ar(32, 1, 2)][None], axis=2)
+    return jnp.sum(sums * _f16_value(scale_bytes), axis=1)
 
 
 _MAGIC_I, _MAGIC_F = np.int32(0x4B000000), np.float32(1 << 23)  # 2^23 as f32 bits, and as a value
@@ -231,7 +244,16 @@ def _iq2xxs_kernel_table() -> np.ndarray:
 IQ2XXS_KERNEL_TABLE, _IQ2_SIGNS_AT = _iq2xxs_kernel_table(), 512
 
 
-def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int):
+def _load_iq2_xxs(w_ref, rows, b, *, planar: bool, n_in: int):
+    r4, g, j = rows[:, None, None, None], _ar(8, 2, 4), _ar(4, 3, 4)  # [BO,1,1,1], [1,1,8,1] groups, [1,1,1,4] slots
+    group = b[None, :, None, None] * (64 if planar else 66) + (0 if planar else 2) + g * 8
+    idx = w_ref[r4, group + j]  # [BO, NB, 8, 4]
+    aux = tuple(w_ref[r4, group + 4 + byte] for byte in range(4))  # [BO, NB, 8, 1] each
+    d_at = quant_bytes(T.IQ2_XXS, n_in) + 2 * b if planar else b * 66  # planar: the d's after every group
+    return idx, aux, _f16_bytes(w_ref, rows[:, None], d_at[None, :])
+
+
+def _dot_iq2_xxs(loaded, x_ref, kx, b, *, tbl_ref):
     """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
     4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o = 4g + j
     (group g, slot j) holds 8 values: magnitudes from the grid entry of its index byte, signs from its sign index
@@ -247,12 +269,12 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int
     earlier step over [BO, NB, 32, 8] tensors (Triton's layouts repeated each octet's work across the threads
     holding its values: ~23 instructions a value, ncu), 65.2 for this loop over [BO, NB, 32] octets with x as
     stored (ncu: 15.6 instructions a value, L1 82% busy with x's strided loads), 59.9 for this step (11 a value)."""
-    r4, g, j = rows[:, None, None, None], _ar(8, 2, 4), _ar(4, 3, 4)  # [BO,1,1,1], [1,1,8,1] groups, [1,1,1,4] slots
-    group = b[None, :, None, None] * (64 if planar else 66) + (0 if planar else 2) + g * 8
-    idx = w_ref[r4, group + j].astype(jnp.int32)  # [BO, NB, 8, 4]
-    aux = w_ref[r4, group + 4].astype(jnp.uint32)  # [BO, NB, 8, 1]
+    idx_bytes, aux_bytes, d_bytes = loaded
+    g, j = _ar(8, 2, 4), _ar(4, 3, 4)
+    idx = idx_bytes.astype(jnp.int32)
+    aux = aux_bytes[0].astype(jnp.uint32)
     for byte in range(1, 4):
-        aux = aux | (w_ref[r4, group + 4 + byte].astype(jnp.uint32) << (8 * byte))
+        aux = aux | (aux_bytes[byte].astype(jnp.uint32) << (8 * byte))
     mags = (tbl_ref[2 * idx], tbl_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
     signs = tbl_ref[_IQ2_SIGNS_AT + ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)]
     x_at = b[:, None, None] * 256 + g[0] * 4 + j[0]  # [NB, 8, 4]: octet o's value 0 in the permuted x
@@ -263,8 +285,7 @@ def _step_iq2_xxs(w_ref, x_ref, rows, kx, b, *, tbl_ref, planar: bool, n_in: int
             lax.bitcast_convert_type(x, jnp.uint32) ^ ((signs << np.uint32(31 - k)) & _SIGN), jnp.float32)
         term = _field_to_f32(mags[k >> 2], 8 * (k & 3), 0xFF) * signed_x
         acc = term if acc is None else acc + term
-    d_at = quant_bytes(T.IQ2_XXS, n_in) + 2 * b if planar else b * 66  # planar: the d's after every group
-    d = _f16_at(w_ref, rows[:, None], d_at[None, :])[:, :, None, None]
+    d = _f16_value(d_bytes)[:, :, None, None]
     scale = d * ((aux >> 28).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)  # [BO, NB, 8, 1]
     return jnp.sum(jnp.sum(jnp.sum(acc * scale, axis=3), axis=2), axis=1)
 
@@ -275,50 +296,79 @@ def _octet_major(x_XI: jax.Array) -> jax.Array:
     return x_XI.reshape(X, n_in // 256, 32, 8).swapaxes(2, 3).reshape(X, n_in)
 
 
-def _step_q2_k(w_ref, x_ref, rows, kx, b):
-    """An 84-byte block: 16 bytes of (4-bit scale | 4-bit min << 4) for 16 sub-blocks of 16, 64 bytes of 2-bit
-    quants (value c*128 + s*32 + l at bits 2s of byte c*32 + l), f16 d, f16 dmin. Per sub-block the sum of q*x
-    and of x; then d * sum(scale * qx) - dmin * sum(min * x), the factoring ggml's own Q2_K dot uses."""
+def _load_q2_k(w_ref, rows, b):
     r4, b4 = rows[:, None, None, None], b[None, :, None, None]
     sb, v = _ar(16, 2, 4), _ar(16, 3, 4)  # [1, 1, 16, 1] sub-blocks, [1, 1, 1, 16] values in one
     q_at = b4 * 84 + 16 + (sb >> 3) * 32 + (sb & 1) * 16 + v  # sub-block sb = 8c + 2s + h: byte c*32 + h*16 + v
-    q = _small_int_to_f32((w_ref[r4, q_at].astype(jnp.int32) >> (2 * ((sb >> 1) & 3))) & 3)  # [BO, NB, 16, 16]
+    sc = w_ref[rows[:, None, None], (b[:, None] * 84 + _ar(16, 1, 2))[None]]  # [BO, NB, 16]
+    d_at = (b * 84 + 80)[None, :]
+    return w_ref[r4, q_at], sc, _f16_bytes(w_ref, rows[:, None], d_at), _f16_bytes(w_ref, rows[:, None], d_at + 2)
+
+
+def _dot_q2_k(loaded, x_ref, kx, b):
+    """An 84-byte block: 16 bytes of (4-bit scale | 4-bit min << 4) for 16 sub-blocks of 16, 64 bytes of 2-bit
+    quants (value c*128 + s*32 + l at bits 2s of byte c*32 + l), f16 d, f16 dmin. Per sub-block the sum of q*x
+    and of x; then d * sum(scale * qx) - dmin * sum(min * x), the factoring ggml's own Q2_K dot uses."""
+    q_bytes, sc_bytes, d_bytes, dmin_bytes = loaded
+    sb, v = _ar(16, 2, 4), _ar(16, 3, 4)
+    q = _small_int_to_f32((q_bytes.astype(jnp.int32) >> (2 * ((sb >> 1) & 3))) & 3)  # [BO, NB, 16, 16]
     x = x_ref[kx, b[:, None, None] * 256 + sb[0] * 16 + v[0]]  # [NB, 16, 16]
     qx = jnp.sum(q * x[None], axis=3)  # [BO, NB, 16]
     xs = jnp.sum(x, axis=2)[None]  # [1, NB, 16]
-    sc = w_ref[rows[:, None, None], (b[:, None] * 84 + _ar(16, 1, 2))[None]].astype(jnp.int32)  # [BO, NB, 16]
-    d = _f16_at(w_ref, rows[:, None], (b * 84 + 80)[None, :])  # [BO, NB]
-    dmin = _f16_at(w_ref, rows[:, None], (b * 84 + 82)[None, :])
+    sc = sc_bytes.astype(jnp.int32)
     scaled = jnp.sum(_small_int_to_f32(sc & 15) * qx, axis=2)
     mins = jnp.sum(_small_int_to_f32(sc >> 4) * xs, axis=2)
-    return jnp.sum(d * scaled - dmin * mins, axis=1)
+    return jnp.sum(_f16_value(d_bytes) * scaled - _f16_value(dmin_bytes) * mins, axis=1)
+
+
+# JDS41_PREFETCH=0 (read at import; an A/B switch for the GPU benchmarks, pending) loads each step's bytes in the
+# step itself instead of one step ahead.
+PREFETCH = os.environ.get("JDS41_PREFETCH", "1") != "0"
 
 
 def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
             steps: int, x_per_row: bool):
+    """One program: BO rows of one selected matrix over `steps` steps of NB blocks (its split's share of the row)
+    summed into one f32 accumulator per row. Step t + 1's bytes are loaded before step t's arithmetic, carried in
+    the loop (register double buffering: Triton does not pipeline loads that feed no dot), so a program keeps a
+    step's loads in flight while it computes; the last step's arithmetic follows the loop. The order of the sums
+    is the same either way."""
     tbl_ref, o_ref = rest if qtype == T.IQ2_XXS else (None, rest[0])
-    k, j = pl.program_id(0), pl.program_id(1)
+    k, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kx = k if x_per_row else jnp.int32(0)
     rows = idx_ref[k] * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, R] stack
-    step_of = {T.MXFP4: functools.partial(_step_mxfp4, planar=planar, n_in=n_in),
-               T.Q8_0: functools.partial(_step_q8_0, planar=planar, n_in=n_in),
-               T.IQ2_XXS: functools.partial(_step_iq2_xxs, tbl_ref=tbl_ref, planar=planar, n_in=n_in),
-               T.Q2_K: _step_q2_k}[qtype]
+    load, dot = {
+        T.MXFP4: (functools.partial(_load_mxfp4, planar=planar, n_in=n_in), _dot_mxfp4),
+        T.Q8_0: (functools.partial(_load_q8_0, n_in=n_in), _dot_q8_0),
+        T.IQ2_XXS: (functools.partial(_load_iq2_xxs, planar=planar, n_in=n_in),
+                    functools.partial(_dot_iq2_xxs, tbl_ref=tbl_ref)),
+        T.Q2_K: (_load_q2_k, _dot_q2_k)}[qtype]
+    blocks = lambda t: (split * steps + t) * nb + jnp.arange(nb, dtype=jnp.int32)  # noqa: E731
 
-    def step(t, acc_O):
-        return acc_O + step_of(w_ref, x_ref, rows, kx, t * nb + jnp.arange(nb, dtype=jnp.int32))
+    if PREFETCH:
+        def step(t, carry):
+            acc_O, loaded = carry
+            ahead = load(w_ref, rows, blocks(t + 1))
+            return acc_O + dot(loaded, x_ref, kx, blocks(t)), ahead
 
-    o_ref[0, :] = lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32))
+        acc_O, last = lax.fori_loop(0, steps - 1, step, (jnp.zeros((bo,), jnp.float32), load(w_ref, rows, blocks(0))))
+        o_ref[0, 0, :] = acc_O + dot(last, x_ref, kx, blocks(steps - 1))
+    else:
+        def step(t, acc_O):
+            return acc_O + dot(load(w_ref, rows, blocks(t)), x_ref, kx, blocks(t))
+
+        o_ref[0, 0, :] = lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "layout", "interpret", "tile"))
 def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml",
-                interpret: bool = False, tile: tuple[int, int, int] | None = None) -> jax.Array:
+                interpret: bool = False, tile: tuple[int, ...] | None = None) -> jax.Array:
     """y[k, o] = sum_i W[idx[k], o, i] x[k, i] (x [K, I]) or x[0, i] (x [1, I]) -> f32 [K, O], from raw rows
     `raw_EOR` uint8 [E, O, row_bytes] of `qtype` in `layout` ("ggml" as in the file, or "planar"). Indices are
     clamped to the stack like `jnp.take(mode="clip")`. `interpret` runs the kernel in Pallas' interpreter (any
-    platform: the CPU tests); `tile` (BO, NB, warps) overrides the tile for benchmarks (BO must divide O and NB the
-    row's blocks)."""
+    platform: the CPU tests); `tile` (BO, NB, warps[, splits]) overrides the tile for benchmarks (BO must divide O,
+    and NB * splits the row's blocks: each of `splits` programs sums its share of a row's steps, and the shares'
+    sums are added in split order)."""
     E, n_out, R = raw_EOR.shape
     K, X, n_in = idx_K.shape[0], x_XI.shape[0], x_XI.shape[1]
     if (qtype, layout) not in KINDS:
@@ -328,11 +378,11 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
         raise ValueError(f"rows_matvec: rows of {R} bytes for {n_in} inputs, x with {X} rows for {K} indices")
     if E * n_out * R > MAX_STACK_BYTES:
         raise ValueError(f"rows_matvec: a stack of {E * n_out * R} bytes needs 64-bit offsets")
-    bo, nb, warps = tile or default_tile(qtype, K, n_out, n_in)
-    if n_out % bo or (n_in // values) % nb:
-        raise ValueError(f"tile ({bo}, {nb}) does not divide {n_out} rows of {n_in // values} blocks")
+    bo, nb, warps, splits = (*tile, 1)[:4] if tile else default_tile(qtype, K, n_out, n_in)
+    if n_out % bo or (n_in // values) % (nb * splits):
+        raise ValueError(f"tile ({bo}, {nb}, splits {splits}) does not divide {n_out} rows of {n_in // values} blocks")
     kernel = functools.partial(_kernel, qtype=qtype, planar=layout == "planar", n_in=n_in, n_out=n_out, bo=bo, nb=nb,
-                               steps=n_in // (nb * values), x_per_row=X > 1)
+                               steps=n_in // (nb * values * splits), x_per_row=X > 1)
     params = None
     if interpret:  # Interpreted, the kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two
         # calls on one weight could then share its decoded loads (CSE) and fuse, and so round, by their surroundings.
@@ -345,8 +395,11 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
     tables = (jnp.asarray(IQ2XXS_KERNEL_TABLE),) if qtype == T.IQ2_XXS else ()
     if qtype == T.IQ2_XXS:
         x_XI = _octet_major(x_XI)
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((K, n_out), jnp.float32), grid=(K, n_out // bo),
-        out_specs=pl.BlockSpec((1, bo), lambda k, j: (k, j)), compiler_params=params, interpret=interpret,
+    parts = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((splits, K, n_out), jnp.float32), grid=(K, n_out // bo, splits),
+        out_specs=pl.BlockSpec((1, 1, bo), lambda k, j, s: (s, k, j)), compiler_params=params, interpret=interpret,
         name=f"rows_matvec_{qtype.name.lower()}_{layout}",
     )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI.astype(jnp.float32), raw_EOR.reshape(E * n_out, R), *tables)
+    # The splits' partial sums in split order, one add at a time: XLA keeps the order of explicit float adds
+    # wherever it fuses them, as it need not for a reduction over the split axis.
+    return functools.reduce(operator.add, (parts[s] for s in range(1, splits)), parts[0])
