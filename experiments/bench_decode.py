@@ -102,11 +102,12 @@ def q2k_kernel_on() -> bool:
     return triton_matvec.Q2K_KERNEL
 
 
-def kernel_prefetch_on() -> bool:
-    """Whether the kernel loads a step's bytes one step ahead (JDS41_PREFETCH, quant/triton_matvec.py; A/B pending)."""
+def kernel_ab() -> dict:
+    """The kernel's pending A/B switches (JDS41_PREFETCH, JDS41_SPLITS: quant/triton_matvec.py)."""
     from jds41.quant import triton_matvec
 
-    return triton_matvec.PREFETCH
+    return {"kernel_prefetch": sorted(t.name for t in triton_matvec.PREFETCH),
+            "kernel_splits": {t.name: v for t, v in triton_matvec.SPLITS.items()}}
 
 
 def _machine() -> str:
@@ -553,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     common = {"bench": "decode", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "triton_kernels": triton_kernels_on(),
               "planar_weights": planar_weights_on(), "q2k_kernel": q2k_kernel_on(),
-              "kernel_prefetch": kernel_prefetch_on(), "arch": a.arch, "size": a.size, "layers": a.layers,
+              **kernel_ab(), "arch": a.arch, "size": a.size, "layers": a.layers,
               "quant": a.quant,
               "file_gib": round(os.path.getsize(path) / 2**30, 2), "write_s": round(write_s, 1),
               "routing": {"source": "zipf-fit selection bias" if a.skew_top10 > 0 else "random weights",

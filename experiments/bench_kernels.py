@@ -33,7 +33,7 @@ from jds41.quant import row_bytes  # noqa: E402
 from jds41.quant.planar import PLANAR_TYPES, to_planar  # noqa: E402
 from jds41.quant.qtensor import xla_rows_matvec  # noqa: E402
 from jds41.quant.random_blocks import random_quantized  # noqa: E402
-from jds41.quant.triton_matvec import BLOCKS, PREFETCH, Q2K_KERNEL, default_tile, rows_matvec, supported  # noqa: E402
+from jds41.quant.triton_matvec import BLOCKS, PREFETCH, Q2K_KERNEL, SPLITS, default_tile, rows_matvec, supported  # noqa: E402
 
 # (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4), one
 # dense MXFP4 matrix of the model width, and its dense Q8_0 matrices: attention's q_b [32768, 1024] and o_b
@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     common = {"bench": "kernels", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
-              "reps": a.reps, "kernel_prefetch": PREFETCH}
+              "reps": a.reps, "kernel_prefetch": sorted(t.name for t in PREFETCH),
+              "kernel_splits": {t.name: v for t, v in SPLITS.items()}}
     for name, qtype, E, n_out, n_in, K, X in (s for s in SHAPES if s[0] in wanted):
         if not gpu:  # the interpreter is slow: a small stack of the same kind checks the path
             E, n_out, n_in = min(E, 4), 64, 512
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
             values, _, loaded = BLOCKS[qtype]
             paths += [("triton", lay, (*t, int(w), int(sp))) for t in TILES for w in a.warps.split(",")
                       for sp in a.splits.split(",") if n_out % t[0] == 0 and (n_in // values) % (t[1] * int(sp)) == 0
-                      and t[1] * values >= 512 and t[0] * t[1] * loaded <= 16384
+                      and t[1] * values >= 256 and t[0] * t[1] * loaded <= 16384
                       and (*t, int(w), int(sp)) != default_tile(qtype, K, n_out, n_in)]
         for path, layout, tile in paths:
             if path == "xla":

@@ -120,11 +120,13 @@ def default_tile(qtype, K: int, n_out: int, n_in: int) -> tuple[int, int, int, i
     """(BO, NB, warps, splits) for K products of [n_out, n_in] rows (the module's tile rule; a function of the shape
     only)."""
     values, _, loaded = BLOCKS[qtype]
-    if qtype == T.IQ2_XXS and n_out % IQ2_TILE[0] == 0 and (n_in // values) % IQ2_TILE[1] == 0:
-        return (*IQ2_TILE, NUM_WARPS, 1)
+    splits = SPLITS.get(qtype, 1)
+    if qtype == T.IQ2_XXS and n_out % IQ2_TILE[0] == 0 and (n_in // values) % (IQ2_TILE[1] * splits) == 0:
+        return (*IQ2_TILE, NUM_WARPS, splits)
     bo = _largest_power_of_two_dividing(n_out, min(BO_MAX, max(1, K * n_out // PROGRAMS)))
     most = max(STEP_VALUES_MIN // values, STEP_BYTES // (bo * loaded), 1)
-    return bo, _largest_power_of_two_dividing(n_in // values, most), NUM_WARPS, 1
+    nb = _largest_power_of_two_dividing(n_in // values, most)
+    return bo, nb, NUM_WARPS, splits if (n_in // values) % (nb * splits) == 0 else 1
 
 
 def _mxfp4_scale(e):
@@ -321,9 +323,15 @@ def _dot_q2_k(loaded, x_ref, kx, b):
     return jnp.sum(_f16_value(d_bytes) * scaled - _f16_value(dmin_bytes) * mins, axis=1)
 
 
-# JDS41_PREFETCH=0 (read at import; an A/B switch for the GPU benchmarks, pending) loads each step's bytes in the
-# step itself instead of one step ahead.
-PREFETCH = os.environ.get("JDS41_PREFETCH", "1") != "0"
+# The formats whose steps load one step ahead (see `_kernel`). JDS41_PREFETCH (read at import; an A/B switch for
+# the GPU benchmarks, pending): "none", "all", or comma-separated type names; default IQ2_XXS, the one the first
+# H200 A/B sped up (60.9 -> 51.9 us; the head, Q2_K and o_b ran slower: results/bench_kernels_prefetch_ab_h200.jsonl).
+_PREFETCH_ENV = os.environ.get("JDS41_PREFETCH", "IQ2_XXS")
+PREFETCH = frozenset(BLOCKS if _PREFETCH_ENV == "all" else () if _PREFETCH_ENV == "none"
+                     else (T[name] for name in _PREFETCH_ENV.split(",")))
+# JDS41_SPLITS (read at import; A/B pending): "TYPE=S,..." splits a row of those types' products S ways in the
+# tile rule.
+SPLITS = {T[k]: int(v) for k, v in (kv.split("=") for kv in os.environ.get("JDS41_SPLITS", "").split(",") if kv)}
 
 
 def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
@@ -345,7 +353,7 @@ def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out:
         T.Q2_K: (_load_q2_k, _dot_q2_k)}[qtype]
     blocks = lambda t: (split * steps + t) * nb + jnp.arange(nb, dtype=jnp.int32)  # noqa: E731
 
-    if PREFETCH:
+    if qtype in PREFETCH:
         def step(t, carry):
             acc_O, loaded = carry
             ahead = load(w_ref, rows, blocks(t + 1))
