@@ -329,9 +329,14 @@ def _dot_q2_k(loaded, x_ref, kx, b):
 _PREFETCH_ENV = os.environ.get("JDS41_PREFETCH", "IQ2_XXS")
 PREFETCH = frozenset(BLOCKS if _PREFETCH_ENV == "all" else () if _PREFETCH_ENV == "none"
                      else (T[name] for name in _PREFETCH_ENV.split(",")))
-# JDS41_SPLITS (read at import; A/B pending): "TYPE=S,..." splits a row of those types' products S ways in the
-# tile rule.
-SPLITS = {T[k]: int(v) for k, v in (kv.split("=") for kv in os.environ.get("JDS41_SPLITS", "").split(",") if kv)}
+# Row splits in the tile rule, per format (where they divide the row's steps): V4.1's IQ2_XXS gate/up in five
+# (44.1 us against 50.9 for the six products, results/bench_kernels_twobit_splits_h200.jsonl) and its Q2_K down,
+# 9 blocks a row, in three (V4.1 4-layer decode 601.6 -> 617.8 tok/s, the same predictions:
+# results/bench_decode_prefetch_splits_v41_4L_h200.jsonl). JDS41_SPLITS="TYPE=S,..." (read at import; for A/B
+# benchmarks) replaces them.
+_SPLITS_ENV = os.environ.get("JDS41_SPLITS")
+SPLITS = ({T[k]: int(v) for k, v in (kv.split("=") for kv in _SPLITS_ENV.split(",") if kv)} if _SPLITS_ENV is not None
+          else {T.IQ2_XXS: 5, T.Q2_K: 3})
 
 
 def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
