@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = len(stream) - 1
     row = {"bench": "profile_decode", "commit": B._commit(), "machine": B._machine(), "command": " ".join(sys.argv),
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "triton_kernels": B.triton_kernels_on(),
-           "planar_weights": B.planar_weights_on(), "q2k_kernel": B.q2k_kernel_on(),
+           "planar_weights": B.planar_weights_on(), "q2k_kernel": B.q2k_kernel_on(), **B.kernel_ab(),
            "arch": a.arch, "size": a.size, "layers": a.layers, "quant": a.quant, "profile": a.profile,
            "decode_tokens": tokens, "unprofiled_tok_s": round(tokens / plain_s, 2),
            "profiled_tok_s": round(tokens / wall_s, 2), "events_from": source,
