@@ -24,7 +24,9 @@ so Triton can load 16 bytes at once. MXFP4 decode: `_e2m1_doubled`, integer and 
 or select. IQ2_XXS: two lookups of magnitude bytes and one of sign bits per 8 values (IQ2XXS_KERNEL_TABLE, from
 the packed grid blocks.py builds from gguf-py's grid). The
 two-bit formats and Q8_0 turn their small integer codes into floats through 2^23's bits (`_small_int_to_f32`,
-`_field_to_f32`: no conversion instruction); IQ2_XXS reads x permuted octet-major (`_octet_major`).
+`_field_to_f32`: no conversion instruction); IQ2_XXS reads x permuted octet-major (`_octet_major`). Each format's
+step is a load (the step's bytes) and a dot (the arithmetic), so IQ2_XXS can load a step ahead (PREFETCH); the
+tile's fourth element splits a row's steps over programs (SPLITS), their sums added in split order.
 
 Arithmetic (the same for every program, whatever E, K, the row's tier or the grid, for one tile): each step function
 says its in-block order; the NB blocks of a step are summed and added to one f32 accumulator per row, step after
@@ -81,6 +83,23 @@ BO_MAX, PROGRAMS, STEP_BYTES, STEP_VALUES_MIN, NUM_WARPS = 16, 1024, 8192, 512, 
 # Offsets into the stack are 32-bit in Triton's lowering below 2^32 bytes, and signed products overflowed past
 # 2^31 on the H200 (an illegal address with a 2.3 GB Q8_0 stack): larger stacks keep the XLA path.
 MAX_STACK_BYTES = (1 << 31) - 1
+# The formats whose steps load one step ahead (see `_kernel`): IQ2_XXS, whose step is arithmetic-heavy (its loads
+# then overlap the arithmetic). In one H200 A/B its six gate/up products took 51.9 us against 60.9; the head
+# (229 against 184), Q2_K and o_b took longer, their doubled byte registers costing occupancy
+# (results/bench_kernels_prefetch_ab_h200.jsonl). JDS41_PREFETCH (read at import; for A/B benchmarks): "none",
+# "all", or comma-separated type names.
+_PREFETCH_ENV = os.environ.get("JDS41_PREFETCH", "IQ2_XXS")
+PREFETCH = frozenset(BLOCKS if _PREFETCH_ENV == "all" else () if _PREFETCH_ENV == "none"
+                     else (T[name] for name in _PREFETCH_ENV.split(",")))
+# Row splits in the tile rule, per format (where they divide the row's steps): more programs, each a shorter loop.
+# V4.1's IQ2_XXS gate/up in five (44.1 us against 50.9 for the six products, with prefetch:
+# results/bench_kernels_twobit_splits_h200.jsonl; in the decode profile 33.3 us a call against 49.8 without
+# either, profile_decode_ab23_v41_4L_h200.jsonl) and its Q2_K down, 9 blocks a row, in three (61.4 us against
+# 64.3, bench_kernels_q2k_splits_h200.jsonl; 204.5 us a token against 207.0 in the profile: small).
+# JDS41_SPLITS="TYPE=S,..." (read at import; for A/B benchmarks) replaces them.
+_SPLITS_ENV = os.environ.get("JDS41_SPLITS")
+SPLITS = ({T[k]: int(v) for k, v in (kv.split("=") for kv in _SPLITS_ENV.split(",") if kv)} if _SPLITS_ENV is not None
+          else {T.IQ2_XXS: 5, T.Q2_K: 3})
 
 
 def has_triton_backend() -> bool:
@@ -323,29 +342,13 @@ def _dot_q2_k(loaded, x_ref, kx, b):
     return jnp.sum(_f16_value(d_bytes) * scaled - _f16_value(dmin_bytes) * mins, axis=1)
 
 
-# The formats whose steps load one step ahead (see `_kernel`). JDS41_PREFETCH (read at import; an A/B switch for
-# the GPU benchmarks, pending): "none", "all", or comma-separated type names; default IQ2_XXS, the one the first
-# H200 A/B sped up (60.9 -> 51.9 us; the head, Q2_K and o_b ran slower: results/bench_kernels_prefetch_ab_h200.jsonl).
-_PREFETCH_ENV = os.environ.get("JDS41_PREFETCH", "IQ2_XXS")
-PREFETCH = frozenset(BLOCKS if _PREFETCH_ENV == "all" else () if _PREFETCH_ENV == "none"
-                     else (T[name] for name in _PREFETCH_ENV.split(",")))
-# Row splits in the tile rule, per format (where they divide the row's steps): V4.1's IQ2_XXS gate/up in five
-# (44.1 us against 50.9 for the six products, results/bench_kernels_twobit_splits_h200.jsonl) and its Q2_K down,
-# 9 blocks a row, in three (V4.1 4-layer decode 601.6 -> 617.8 tok/s, the same predictions:
-# results/bench_decode_prefetch_splits_v41_4L_h200.jsonl). JDS41_SPLITS="TYPE=S,..." (read at import; for A/B
-# benchmarks) replaces them.
-_SPLITS_ENV = os.environ.get("JDS41_SPLITS")
-SPLITS = ({T[k]: int(v) for k, v in (kv.split("=") for kv in _SPLITS_ENV.split(",") if kv)} if _SPLITS_ENV is not None
-          else {T.IQ2_XXS: 5, T.Q2_K: 3})
-
-
 def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
             steps: int, x_per_row: bool):
     """One program: BO rows of one selected matrix over `steps` steps of NB blocks (its split's share of the row)
-    summed into one f32 accumulator per row. Step t + 1's bytes are loaded before step t's arithmetic, carried in
-    the loop (register double buffering: Triton does not pipeline loads that feed no dot), so a program keeps a
-    step's loads in flight while it computes; the last step's arithmetic follows the loop. The order of the sums
-    is the same either way."""
+    summed into one f32 accumulator per row. For PREFETCH formats step t + 1's bytes are loaded before step t's
+    arithmetic and carried in the loop (register double buffering: Triton does not pipeline loads that feed no
+    dot), so a program keeps a step's loads in flight while it computes; the last step's arithmetic follows the
+    loop. The order of the sums is the same either way."""
     tbl_ref, o_ref = rest if qtype == T.IQ2_XXS else (None, rest[0])
     k, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kx = k if x_per_row else jnp.int32(0)
