@@ -51,8 +51,8 @@ SHAPES = (
     ("v41-experts-gate-up", T.IQ2_XXS, 384, 2304, 5120, 6, 1),
     ("v41-experts-down", T.Q2_K, 384, 5120, 2304, 6, 6),
 )
-# --tiles: filtered by shape (steps of at least 512 values, at most 16 KB loaded per step)
-TILES = [(bo, nb) for bo in (1, 2, 4, 8, 16) for nb in (1, 2, 4, 8, 16, 32, 64, 128)]
+# --tiles: filtered by shape (steps of at least 256 values, at most 16 KB loaded per step)
+TILES = [(bo, nb) for bo in (1, 2, 4, 8, 16, 32) for nb in (1, 2, 4, 8, 16, 32, 64, 128)]
 
 
 def _stack(rng, qtype, E: int, n_out: int, n_in: int) -> jax.Array:

@@ -24,7 +24,7 @@ from jds41.quant import QTensor, qmatvec, qmatvec_experts
 from jds41.quant.planar import to_planar
 from jds41.quant.qtensor import xla_rows_matvec
 from jds41.quant.random_blocks import random_quantized
-from jds41.quant.triton_matvec import KINDS, _e2m1_doubled, rows_matvec
+from jds41.quant.triton_matvec import KINDS, _e2m1_doubled, _splits_from, rows_matvec
 
 KIND_LIST = sorted(KINDS, key=lambda k: (k[0].name, k[1]))
 
@@ -154,3 +154,11 @@ def test_a_vmapped_kernel_gives_each_row_the_bits_of_its_own_call():
     batched = np.asarray(jax.jit(jax.vmap(lambda x, i: rows_matvec(x, raw, i, T.MXFP4)))(xs, idx))
     for r in range(5):
         np.testing.assert_array_equal(batched[r], np.asarray(one(xs[r], idx[r])))
+
+
+def test_the_ab_switches_parse_type_names_and_name_what_is_wrong():
+    assert _splits_from("Q2_K=3,IQ2_XXS=5") == {T.Q2_K: 3, T.IQ2_XXS: 5}
+    assert _splits_from("") == {}
+    for bad, said in (("Q2_K", "TYPE=S"), ("Q2_K=0", "TYPE=S"), ("Q4_K=2", "Q4_K"), ("nope=2", "nope")):
+        with pytest.raises(ValueError, match=said):
+            _splits_from(bad)

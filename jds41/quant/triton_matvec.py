@@ -88,18 +88,35 @@ MAX_STACK_BYTES = (1 << 31) - 1
 # (229 against 184), Q2_K and o_b took longer, their doubled byte registers costing occupancy
 # (results/bench_kernels_prefetch_ab_h200.jsonl). JDS41_PREFETCH (read at import; for A/B benchmarks): "none",
 # "all", or comma-separated type names.
+def _kernel_type(name: str, variable: str):
+    """The kernel format named `name` in environment variable `variable`, or a ValueError that names both."""
+    if name not in T.__members__ or T[name] not in BLOCKS:
+        raise ValueError(f"{variable}: {name!r} is not one of the kernel's formats {sorted(t.name for t in BLOCKS)}")
+    return T[name]
+
+
 _PREFETCH_ENV = os.environ.get("JDS41_PREFETCH", "IQ2_XXS")
 PREFETCH = frozenset(BLOCKS if _PREFETCH_ENV == "all" else () if _PREFETCH_ENV == "none"
-                     else (T[name] for name in _PREFETCH_ENV.split(",")))
+                     else (_kernel_type(name, "JDS41_PREFETCH") for name in _PREFETCH_ENV.split(",")))
 # Row splits in the tile rule, per format (where they divide the row's steps): more programs, each a shorter loop.
 # V4.1's IQ2_XXS gate/up in five (44.1 us against 50.9 for the six products, with prefetch:
 # results/bench_kernels_twobit_splits_h200.jsonl; in the decode profile 33.3 us a call against 49.8 without
 # either, profile_decode_ab23_v41_4L_h200.jsonl) and its Q2_K down, 9 blocks a row, in three (61.4 us against
 # 64.3, bench_kernels_q2k_splits_h200.jsonl; 204.5 us a token against 207.0 in the profile: small).
 # JDS41_SPLITS="TYPE=S,..." (read at import; for A/B benchmarks) replaces them.
+def _splits_from(text: str) -> dict:
+    """JDS41_SPLITS' "TYPE=S,..." as {type: S}, or a ValueError that says what it expected."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, _, count = item.partition("=")
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"JDS41_SPLITS: {item!r} is not TYPE=S with S a positive integer")
+        out[_kernel_type(name, "JDS41_SPLITS")] = int(count)
+    return out
+
+
 _SPLITS_ENV = os.environ.get("JDS41_SPLITS")
-SPLITS = ({T[k]: int(v) for k, v in (kv.split("=") for kv in _SPLITS_ENV.split(",") if kv)} if _SPLITS_ENV is not None
-          else {T.IQ2_XXS: 5, T.Q2_K: 3})
+SPLITS = _splits_from(_SPLITS_ENV) if _SPLITS_ENV is not None else {T.IQ2_XXS: 5, T.Q2_K: 3}
 
 
 def has_triton_backend() -> bool:
