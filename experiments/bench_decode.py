@@ -103,7 +103,7 @@ def q2k_kernel_on() -> bool:
 
 
 def kernel_ab() -> dict:
-    """The kernel's pending A/B switches (JDS41_PREFETCH, JDS41_SPLITS: quant/triton_matvec.py)."""
+    """The kernel's load-ahead formats and row splits (JDS41_PREFETCH, JDS41_SPLITS: quant/triton_matvec.py)."""
     from jds41.quant import triton_matvec
 
     return {"kernel_prefetch": sorted(t.name for t in triton_matvec.PREFETCH),

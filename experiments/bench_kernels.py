@@ -8,9 +8,8 @@ routed-expert product read MXFP4 at 7% of HBM bandwidth through XLA (experiments
 
 Each timed call runs `--reps` products in one jitted `fori_loop`, the expert indices moving on every iteration so
 the rows come from HBM, not from the 60 MB L2 (one call reads 27 MB; 50 calls walk 300 experts of the 1.1 GB
-stack). `--tiles` also sweeps the kernel's tile (rows per program, blocks per step, the `--warps` counts
-and the `--splits` of a row) on
-every shape but "dense".
+stack). `--tiles` also sweeps the kernel's tile (rows per program, blocks per step, the `--warps` counts and the
+`--splits` of a row) on every shape but "dense".
 CPU runs check the code path only (the kernel then runs in Pallas' interpreter on a shrunk shape).
 """
 
@@ -27,13 +26,13 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import BW, _commit, _machine, emit  # noqa: E402  (sibling script, run as a file)
+from bench_decode import BW, _commit, _machine, emit, kernel_ab  # noqa: E402  (sibling script, run as a file)
 
 from jds41.quant import row_bytes  # noqa: E402
 from jds41.quant.planar import PLANAR_TYPES, to_planar  # noqa: E402
 from jds41.quant.qtensor import xla_rows_matvec  # noqa: E402
 from jds41.quant.random_blocks import random_quantized  # noqa: E402
-from jds41.quant.triton_matvec import BLOCKS, PREFETCH, Q2K_KERNEL, SPLITS, default_tile, rows_matvec, supported  # noqa: E402
+from jds41.quant.triton_matvec import BLOCKS, Q2K_KERNEL, default_tile, rows_matvec, supported  # noqa: E402
 
 # (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4), one
 # dense MXFP4 matrix of the model width, and its dense Q8_0 matrices: attention's q_b [32768, 1024] and o_b
@@ -98,8 +97,7 @@ def main(argv=None) -> int:
     gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     common = {"bench": "kernels", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
-              "reps": a.reps, "kernel_prefetch": sorted(t.name for t in PREFETCH),
-              "kernel_splits": {t.name: v for t, v in SPLITS.items()}}
+              "reps": a.reps, **kernel_ab()}
     for name, qtype, E, n_out, n_in, K, X in (s for s in SHAPES if s[0] in wanted):
         if not gpu:  # the interpreter is slow: a small stack of the same kind checks the path
             E, n_out, n_in = min(E, 4), 64, 512

@@ -83,11 +83,6 @@ BO_MAX, PROGRAMS, STEP_BYTES, STEP_VALUES_MIN, NUM_WARPS = 16, 1024, 8192, 512, 
 # Offsets into the stack are 32-bit in Triton's lowering below 2^32 bytes, and signed products overflowed past
 # 2^31 on the H200 (an illegal address with a 2.3 GB Q8_0 stack): larger stacks keep the XLA path.
 MAX_STACK_BYTES = (1 << 31) - 1
-# The formats whose steps load one step ahead (see `_kernel`): IQ2_XXS, whose step is arithmetic-heavy (its loads
-# then overlap the arithmetic). In one H200 A/B its six gate/up products took 51.9 us against 60.9; the head
-# (229 against 184), Q2_K and o_b took longer, their doubled byte registers costing occupancy
-# (results/bench_kernels_prefetch_ab_h200.jsonl). JDS41_PREFETCH (read at import; for A/B benchmarks): "none",
-# "all", or comma-separated type names.
 def _kernel_type(name: str, variable: str):
     """The kernel format named `name` in environment variable `variable`, or a ValueError that names both."""
     if name not in T.__members__ or T[name] not in BLOCKS:
@@ -95,15 +90,6 @@ def _kernel_type(name: str, variable: str):
     return T[name]
 
 
-_PREFETCH_ENV = os.environ.get("JDS41_PREFETCH", "IQ2_XXS")
-PREFETCH = frozenset(BLOCKS if _PREFETCH_ENV == "all" else () if _PREFETCH_ENV == "none"
-                     else (_kernel_type(name, "JDS41_PREFETCH") for name in _PREFETCH_ENV.split(",")))
-# Row splits in the tile rule, per format (where they divide the row's steps): more programs, each a shorter loop.
-# V4.1's IQ2_XXS gate/up in five (44.1 us against 50.9 for the six products, with prefetch:
-# results/bench_kernels_twobit_splits_h200.jsonl; in the decode profile 33.3 us a call against 49.8 without
-# either, profile_decode_ab23_v41_4L_h200.jsonl) and its Q2_K down, 9 blocks a row, in three (61.4 us against
-# 64.3, bench_kernels_q2k_splits_h200.jsonl; 204.5 us a token against 207.0 in the profile: small).
-# JDS41_SPLITS="TYPE=S,..." (read at import; for A/B benchmarks) replaces them.
 def _splits_from(text: str) -> dict:
     """JDS41_SPLITS' "TYPE=S,..." as {type: S}, or a ValueError that says what it expected."""
     out = {}
@@ -115,6 +101,20 @@ def _splits_from(text: str) -> dict:
     return out
 
 
+# The formats whose steps load one step ahead (see `_kernel`): IQ2_XXS, whose step is arithmetic-heavy (its loads
+# then overlap the arithmetic). In one H200 A/B its six gate/up products took 51.9 us against 60.9; the head
+# (229 against 184), Q2_K and o_b took longer, their doubled byte registers costing occupancy
+# (results/bench_kernels_prefetch_ab_h200.jsonl). JDS41_PREFETCH (read at import; for A/B benchmarks): "none",
+# "all", or comma-separated type names.
+_PREFETCH_ENV = os.environ.get("JDS41_PREFETCH", "IQ2_XXS")
+PREFETCH = frozenset(BLOCKS if _PREFETCH_ENV == "all" else () if _PREFETCH_ENV == "none"
+                     else (_kernel_type(name, "JDS41_PREFETCH") for name in _PREFETCH_ENV.split(",")))
+# Row splits in the tile rule, per format (where they divide the row's steps): more programs, each a shorter loop.
+# V4.1's IQ2_XXS gate/up in five (44.1 us against 50.9 for the six products, with prefetch:
+# results/bench_kernels_twobit_splits_h200.jsonl; in the decode profile 33.3 us a call against 49.8 without
+# either, profile_decode_ab23_v41_4L_h200.jsonl) and its Q2_K down, 9 blocks a row, in three (61.4 us against
+# 64.3, bench_kernels_q2k_splits_h200.jsonl; 204.5 us a token against 207.0 in the profile: small).
+# JDS41_SPLITS="TYPE=S,..." (read at import; for A/B benchmarks) replaces them.
 _SPLITS_ENV = os.environ.get("JDS41_SPLITS")
 SPLITS = _splits_from(_SPLITS_ENV) if _SPLITS_ENV is not None else {T.IQ2_XXS: 5, T.Q2_K: 3}
 
@@ -156,12 +156,13 @@ def default_tile(qtype, K: int, n_out: int, n_in: int) -> tuple[int, int, int, i
     """(BO, NB, warps, splits) for K products of [n_out, n_in] rows (the module's tile rule; a function of the shape
     only)."""
     values, _, loaded = BLOCKS[qtype]
+    if qtype == T.IQ2_XXS and n_out % IQ2_TILE[0] == 0 and (n_in // values) % IQ2_TILE[1] == 0:
+        bo, nb = IQ2_TILE
+    else:
+        bo = _largest_power_of_two_dividing(n_out, min(BO_MAX, max(1, K * n_out // PROGRAMS)))
+        most = max(STEP_VALUES_MIN // values, STEP_BYTES // (bo * loaded), 1)
+        nb = _largest_power_of_two_dividing(n_in // values, most)
     splits = SPLITS.get(qtype, 1)
-    if qtype == T.IQ2_XXS and n_out % IQ2_TILE[0] == 0 and (n_in // values) % (IQ2_TILE[1] * splits) == 0:
-        return (*IQ2_TILE, NUM_WARPS, splits)
-    bo = _largest_power_of_two_dividing(n_out, min(BO_MAX, max(1, K * n_out // PROGRAMS)))
-    most = max(STEP_VALUES_MIN // values, STEP_BYTES // (bo * loaded), 1)
-    nb = _largest_power_of_two_dividing(n_in // values, most)
     return bo, nb, NUM_WARPS, splits if (n_in // values) % (nb * splits) == 0 else 1
 
 
