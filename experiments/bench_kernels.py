@@ -4,12 +4,13 @@ layout and the planar one (quant/planar.py), with each one's GB/s, share of HBM 
 over GGML rows. One JSON line per (shape, path, tile). Issue #5, item 4: the
 routed-expert product read MXFP4 at 7% of HBM bandwidth through XLA (experiments/README.md, step parts).
 
-    python experiments/bench_kernels.py [--reps 50] [--tiles [--warps 4,8] [--splits 1,4]] [--shapes a,b] [--out FILE]
+    python experiments/bench_kernels.py [--reps 50] [--tiles [--warps 4,8] [--splits 1,4] [--rows 8,16]
+        [--blocks 8,16]] [--shapes a,b] [--out FILE]
 
 Each timed call runs `--reps` products in one jitted `fori_loop`, the expert indices moving on every iteration so
 the rows come from HBM, not from the 60 MB L2 (one call reads 27 MB; 50 calls walk 300 experts of the 1.1 GB
 stack). `--tiles` also sweeps the kernel's tile (rows per program, blocks per step, the `--warps` counts and the
-`--splits` of a row) on every shape but "dense".
+`--splits` of a row; `--rows` and `--blocks` narrow the first two) on every shape but "dense".
 CPU runs check the code path only (the kernel then runs in Pallas' interpreter on a shrunk shape).
 """
 
@@ -49,6 +50,16 @@ SHAPES = (
     ("head", T.Q8_0, 1, 129280, 4096, 1, 1),
     ("v41-experts-gate-up", T.IQ2_XXS, 384, 2304, 5120, 6, 1),
     ("v41-experts-down", T.Q2_K, 384, 5120, 2304, 6, 6),
+    # V4.1's dense Q8_0 products (a layer's attention q_a, kv, q_b, o_a in 8 groups of 1024 rows, each with its own
+    # input, o_b; the shared expert's gate/up and down; the head), each stack ~110-180 MB so the calls read HBM
+    ("v41-attn-q-a", T.Q8_0, 16, 1280, 5120, 1, 1),
+    ("v41-attn-kv", T.Q8_0, 48, 512, 5120, 1, 1),
+    ("v41-attn-q-b", T.Q8_0, 4, 32768, 1280, 1, 1),
+    ("v41-attn-o-a", T.Q8_0, 32, 1024, 4096, 8, 8),
+    ("v41-attn-o-b", T.Q8_0, 4, 5120, 8192, 1, 1),
+    ("v41-shexp-gate-up", T.Q8_0, 12, 2304, 5120, 1, 1),
+    ("v41-shexp-down", T.Q8_0, 12, 5120, 2304, 1, 1),
+    ("v41-head", T.Q8_0, 1, 129280, 5120, 1, 1),
 )
 # --tiles: filtered by shape (steps of at least 256 values, at most 16 KB loaded per step)
 TILES = [(bo, nb) for bo in (1, 2, 4, 8, 16, 32) for nb in (1, 2, 4, 8, 16, 32, 64, 128)]
@@ -87,6 +98,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tiles", action="store_true", help="also sweep the kernel tile (every shape but dense)")
     ap.add_argument("--warps", default="4", help="comma-separated warp counts the --tiles sweep tries")
     ap.add_argument("--splits", default="1", help="comma-separated row splits the --tiles sweep tries")
+    ap.add_argument("--rows", default=None, help="comma-separated rows per program the --tiles sweep keeps (all)")
+    ap.add_argument("--blocks", default=None, help="comma-separated blocks per step the --tiles sweep keeps (all)")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -94,6 +107,8 @@ def main(argv=None) -> int:
     wanted = set(a.shapes.split(",")) if a.shapes else set(names)
     if wanted - set(names):
         ap.error(f"unknown shapes {sorted(wanted - set(names))}; known: {names}")
+    rows_kept = {int(v) for v in a.rows.split(",")} if a.rows else {t[0] for t in TILES}
+    blocks_kept = {int(v) for v in a.blocks.split(",")} if a.blocks else {t[1] for t in TILES}
     gpu = jax.default_backend() == "gpu"
     rng = np.random.default_rng(0)
     common = {"bench": "kernels", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
@@ -119,7 +134,8 @@ def main(argv=None) -> int:
         if a.tiles and name != "dense":  # the layout the engine gives the kernel: planar where the kernel reads
             lay = "planar" if supported(qtype, 0, "planar") else "ggml"  # it, else the file's
             values, _, loaded = BLOCKS[qtype]
-            paths += [("triton", lay, (*t, int(w), int(sp))) for t in TILES for w in a.warps.split(",")
+            paths += [("triton", lay, (*t, int(w), int(sp))) for t in TILES if t[0] in rows_kept
+                      and t[1] in blocks_kept for w in a.warps.split(",")
                       for sp in a.splits.split(",") if n_out % t[0] == 0 and (n_in // values) % (t[1] * int(sp)) == 0
                       and t[1] * values >= 256 and t[0] * t[1] * loaded <= 16384
                       and (*t, int(w), int(sp)) != default_tile(qtype, K, n_out, n_in)]

@@ -9,7 +9,8 @@ What it does: writes (or reuses) bench_decode's synthetic file with its routing 
 (`decode_loop.decode_forced`), then runs `--decode` steps of it under `jax.profiler` and reads the Perfetto trace
 back: every kernel and copy the device ran, grouped by name, with how many ran per token and their time per token;
 the union of their intervals (device busy time) against the wall time of the loop, whose difference is time the
-device sat idle (launch gaps, host round trips, host callbacks).
+device sat idle (launch gaps, host round trips, host callbacks); and one middle token's kernels in order with the
+idle time before each (`one_token`), which says where that idle time sits.
 
 With `--hlo-dump DIR`, XLA writes the optimized HLO of the decode loop there (set before jax starts), and each
 kernel is attributed to the model part its fusion came from: model.step's scope (engram, attn, ffn, head) and the
@@ -85,6 +86,38 @@ def kernel_table(events: list[dict], tokens: int) -> list[dict]:
     rows = [{"name": n, "per_token": round(c / tokens, 2), "us_per_token": round(t / tokens, 2),
              "mean_us": round(t / c, 2)} for n, (c, t) in acc.items()]
     return sorted(rows, key=lambda r: -r["us_per_token"])
+
+
+def one_token(events: list[dict], tokens: int, sources: dict | None = None) -> dict | None:
+    """One middle token's kernels in launch order, each with the idle time before it, and the gap before the next
+    token's marker: where a token's idle time sits (one long host round trip at the loop's edge, or a short gap
+    before every kernel). A token runs from one launch of the marker (the longest kernel that runs exactly once a
+    token: the output head) to the next. None when no kernel runs once a token."""
+    once = [r for r in kernel_table(events, tokens) if r["per_token"] == 1.0]
+    if not once:
+        return None
+    marker = max(once, key=lambda r: r["mean_us"])["name"]
+    ordered = sorted(events, key=lambda e: float(e["ts"]))
+    at = [i for i, e in enumerate(ordered) if e["name"] == marker]
+    if len(at) < 2:
+        return None
+    mid = len(at) // 2 - 1
+    window = ordered[at[mid]:at[mid + 1]]
+    sequence, end, gaps = [], float(window[0]["ts"]), []
+    for e in window:
+        ts, dur = float(e["ts"]), float(e.get("dur", 0))
+        gap = max(0.0, ts - end)
+        end = max(end, ts + dur)
+        src = (sources or {}).get(e["name"])
+        sequence.append([e["name"], round(dur, 2), round(gap, 2), src[1] if src else ""])
+        gaps.append((gap, e["name"]))
+    nxt = float(ordered[at[mid + 1]]["ts"])
+    gaps.append((max(0.0, nxt - end), f"{marker} (next token)"))
+    span = nxt - float(window[0]["ts"])
+    total_gap = sum(g for g, _ in gaps)
+    return {"marker": marker, "kernels": len(window), "span_us": round(span, 1),
+            "gap_us": round(total_gap, 1), "gaps_over_5us": [[round(g, 1), n] for g, n in gaps if g > 5],
+            "sequence": sequence}
 
 
 # ---- attribution from the optimized HLO ------------------------------------------------------------------------
@@ -282,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
            "decode_tokens": tokens, "unprofiled_tok_s": round(tokens / plain_s, 2),
            "profiled_tok_s": round(tokens / wall_s, 2), "events_from": source,
            "predictions_sha256": hashlib.sha256(np.asarray(preds, np.int32).tobytes()).hexdigest()[:16],
-           **summarize(events, tokens, wall_s, sources)}
+           **summarize(events, tokens, wall_s, sources), "one_token": one_token(events, tokens, sources)}
     B.emit(row, a.out)
     return 0
 

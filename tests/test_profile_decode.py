@@ -30,6 +30,18 @@ def test_busy_time_counts_overlapping_kernels_once_and_the_table_sums_per_token(
     assert s["kernels_per_token"] == 2.0 and s["parts"]["unattributed"]["kernels_per_token"] == 2.0
 
 
+def test_one_token_lists_a_middle_tokens_kernels_in_order_with_the_gap_before_each():
+    events = []
+    for tok in range(4):  # per token: head (once, longest), then "a" twice; a 7 us gap before the second "a"
+        t0 = 100.0 * tok
+        events += [_ev("head", t0, 20), _ev("a", t0 + 21, 3), _ev("a", t0 + 31, 3)]
+    got = P.one_token(list(reversed(events)), tokens=4)  # the trace's order is not launch order
+    assert got["marker"] == "head" and got["kernels"] == 3 and got["span_us"] == 100.0
+    assert got["sequence"] == [["head", 20.0, 0.0, ""], ["a", 3.0, 1.0, ""], ["a", 3.0, 7.0, ""]]
+    assert got["gap_us"] == 74.0 and got["gaps_over_5us"] == [[7.0, "a"], [66.0, "head (next token)"]]
+    assert P.one_token([_ev("a", 0, 1), _ev("a", 5, 1)], tokens=1) is None  # "a" runs twice a token: no marker
+
+
 HLO = """HloModule jit__loop
 
 FileNames
