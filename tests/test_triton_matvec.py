@@ -24,7 +24,15 @@ from jds41.quant import QTensor, qmatvec, qmatvec_experts
 from jds41.quant.planar import to_planar
 from jds41.quant.qtensor import xla_rows_matvec
 from jds41.quant.random_blocks import random_quantized
-from jds41.quant.triton_matvec import KINDS, _e2m1_doubled, _splits_from, rows_matvec
+from jds41.quant.triton_matvec import (
+    BLOCKS,
+    KINDS,
+    MEASURED_TILES,
+    _e2m1_doubled,
+    _splits_from,
+    default_tile,
+    rows_matvec,
+)
 
 KIND_LIST = sorted(KINDS, key=lambda k: (k[0].name, k[1]))
 
@@ -92,6 +100,22 @@ def test_short_rows_and_odd_row_counts_take_smaller_tiles():
         rows_matvec(jnp.asarray(x), jnp.asarray(raw), jnp.asarray(idx), T.Q8_0, interpret=True)
 
 
+def test_the_measured_tiles_divide_their_shapes_and_sum_as_the_reference():
+    assert MEASURED_TILES, "JDS41_MEASURED_TILES=0 in the test environment"
+    for (qtype, K, n_out, n_in), tile in MEASURED_TILES.items():
+        bo, nb, warps, splits = tile
+        assert default_tile(qtype, K, n_out, n_in) == tile
+        assert n_out % bo == 0 and (n_in // BLOCKS[qtype][0]) % (nb * splits) == 0 and warps in (1, 2, 4, 8)
+    rng, raw = _case(T.Q8_0, E=2, n_out=16, n_in=5120)  # V4.1's model width: 160 blocks a row
+    x = rng.standard_normal((1, 5120)).astype(np.float32)
+    idx = np.array([1, 0], np.int32)
+    want = reference_rows_matvec(x, raw, idx, T.Q8_0)
+    for tile in {t for (q, _, _, n_in), t in MEASURED_TILES.items() if q == T.Q8_0 and n_in == 5120}:
+        got = rows_matvec(jnp.asarray(x), _rows(raw, "planar", T.Q8_0), jnp.asarray(idx), T.Q8_0, layout="planar",
+                          interpret=True, tile=tile)
+        assert _rel(got, want) < 1e-6, tile
+
+
 def _lowered(fn, *args, platform: str) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
@@ -120,9 +144,11 @@ def test_decode_products_lower_to_the_kernel_on_cuda_only():
 
 
 # V4-Flash's decode shapes: routed gate/up, routed down (one x per expert), a dense MXFP4 matrix, the Q8_0 head;
-# V4.1's routed gate/up (IQ2_XXS, 20 blocks a row) and down (Q2_K, 9 blocks a row: where the kernel takes it).
+# V4.1's kv and shared-expert gate/up (Q8_0, measured tiles with rows split in five), routed gate/up (IQ2_XXS, 20
+# blocks a row) and down (Q2_K, 9 blocks a row: where the kernel takes it).
 GPU_SHAPES = [(T.MXFP4, 256, 2048, 4096, 1), (T.MXFP4, 256, 4096, 2048, 6), (T.MXFP4, 1, 4096, 4096, 1),
-              (T.Q8_0, 1, 129280, 4096, 1), (T.Q8_0, 8, 32768, 1024, 1), (T.IQ2_XXS, 384, 2304, 5120, 1),
+              (T.Q8_0, 1, 129280, 4096, 1), (T.Q8_0, 8, 32768, 1024, 1), (T.Q8_0, 1, 512, 5120, 1),
+              (T.Q8_0, 1, 2304, 5120, 1), (T.IQ2_XXS, 384, 2304, 5120, 1),
               (T.Q2_K, 384, 5120, 2304, 6)]
 
 

@@ -152,9 +152,29 @@ def _largest_power_of_two_dividing(n: int, most: int) -> int:
 IQ2_TILE = (16, 2)
 
 
+# Tiles measured for V4.1's dense Q8_0 products, (qtype, K, n_out, n_in) -> (BO, NB, warps, splits): the best of
+# one H200 sweep over rows {1, 4, 8, 16, 32} a program, {8, 16, 32} blocks a step, {2, 4, 8} warps and splits
+# {1, 5} (results/bench_kernels_v41_q8_tiles_h200.jsonl; us a call in a 50-call loop, rule's tile -> this one):
+# q_a 15.3 -> 12.6, kv 13.3 -> 9.8 (both 1 row a program by the rule: a short grid of long loops), q_b 30.2 -> 26.8,
+# o_a 25.0 -> 23.4, o_b 28.5 -> 27.1, shared expert gate/up 16.2 -> 15.1 and down 18.5 -> 17.1, head 231 -> 222.
+# Every other shape takes the rule. JDS41_MEASURED_TILES=0 (read at import; for A/B benchmarks) leaves all to it.
+MEASURED_TILES = {
+    (T.Q8_0, 1, 1280, 5120): (4, 32, 4, 5),  # attention q_a
+    (T.Q8_0, 1, 512, 5120): (4, 32, 4, 5),  # attention kv
+    (T.Q8_0, 1, 32768, 1280): (32, 8, 4, 1),  # attention q_b
+    (T.Q8_0, 8, 1024, 4096): (16, 32, 4, 1),  # attention o_a: 8 groups, each its own input
+    (T.Q8_0, 1, 5120, 8192): (8, 32, 4, 1),  # attention o_b
+    (T.Q8_0, 1, 2304, 5120): (16, 8, 8, 5),  # shared expert gate, up
+    (T.Q8_0, 1, 5120, 2304): (16, 8, 8, 1),  # shared expert down
+    (T.Q8_0, 1, 129280, 5120): (8, 32, 4, 1),  # output head
+} if os.environ.get("JDS41_MEASURED_TILES", "1") != "0" else {}
+
+
 def default_tile(qtype, K: int, n_out: int, n_in: int) -> tuple[int, int, int, int]:
-    """(BO, NB, warps, splits) for K products of [n_out, n_in] rows (the module's tile rule; a function of the shape
-    only)."""
+    """(BO, NB, warps, splits) for K products of [n_out, n_in] rows (the module's tile rule, or the measured tile of
+    that shape; a function of the shape only)."""
+    if (qtype, K, n_out, n_in) in MEASURED_TILES:
+        return MEASURED_TILES[(qtype, K, n_out, n_in)]
     values, _, loaded = BLOCKS[qtype]
     if qtype == T.IQ2_XXS and n_out % IQ2_TILE[0] == 0 and (n_in // values) % IQ2_TILE[1] == 0:
         bo, nb = IQ2_TILE
