@@ -156,8 +156,11 @@ IQ2_TILE = (16, 2)
 # one H200 sweep over rows {1, 4, 8, 16, 32} a program, {8, 16, 32} blocks a step, {2, 4, 8} warps and splits
 # {1, 5} (results/bench_kernels_v41_q8_tiles_h200.jsonl; us a call in a 50-call loop, rule's tile -> this one):
 # q_a 15.3 -> 12.6, kv 13.3 -> 9.8 (both 1 row a program by the rule: a short grid of long loops), q_b 30.2 -> 26.8,
-# o_a 25.0 -> 23.4, o_b 28.5 -> 27.1, shared expert gate/up 16.2 -> 15.1 and down 18.5 -> 17.1, head 231 -> 222.
-# Every other shape takes the rule. JDS41_MEASURED_TILES=0 (read at import; for A/B benchmarks) leaves all to it.
+# o_a 25.0 -> 23.4, o_b 28.5 -> 27.1, shared expert gate/up 16.2 -> 15.1, head 231 -> 222. In the decode profile
+# (results/profile_decode_tiles24_v41_4L_h200.jsonl, us a call against profile_decode_seq24's): q_a 6.9 -> 4.7, kv
+# 5.2 -> 2.9, q_b 19.7 -> 18.5, o_a 15.0 -> 14.3, o_b 18.5 -> 17.5, gate/up 8.0 -> 6.7, head 219 -> 208; the shared
+# expert's down at the sweep's (16, 8, 8, 1) went 7.9 -> 8.6, so it keeps the rule's tile. Every other shape takes
+# the rule. JDS41_MEASURED_TILES=0 (read at import; for A/B benchmarks) leaves all to it.
 MEASURED_TILES = {
     (T.Q8_0, 1, 1280, 5120): (4, 32, 4, 5),  # attention q_a
     (T.Q8_0, 1, 512, 5120): (4, 32, 4, 5),  # attention kv
@@ -165,7 +168,6 @@ MEASURED_TILES = {
     (T.Q8_0, 8, 1024, 4096): (16, 32, 4, 1),  # attention o_a: 8 groups, each its own input
     (T.Q8_0, 1, 5120, 8192): (8, 32, 4, 1),  # attention o_b
     (T.Q8_0, 1, 2304, 5120): (16, 8, 8, 5),  # shared expert gate, up
-    (T.Q8_0, 1, 5120, 2304): (16, 8, 8, 1),  # shared expert down
     (T.Q8_0, 1, 129280, 5120): (8, 32, 4, 1),  # output head
 } if os.environ.get("JDS41_MEASURED_TILES", "1") != "0" else {}
 
