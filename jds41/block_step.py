@@ -34,9 +34,8 @@ from jds41 import model as M
 from jds41 import prefill as PF
 from jds41.layers import attention, compressor, indexer
 from jds41.layers.engram import engram_combine
-from jds41.layers.mhc import hc_collapse, hc_expand, hc_onehot_pre
+from jds41.layers.mhc import hc_expand, hc_onehot_pre
 from jds41.layers.moe import routed_experts, shared_expert
-from jds41.layers.norm import rms_norm
 from jds41.layers.rope import layer_rope_freqs
 from jds41.layers.rowwise import island
 from jds41.tiers.experts import prefetch_experts
@@ -175,9 +174,8 @@ def step_rows(plan: M.ModelPlan, params: dict, state: dict, tokens_W: jax.Array,
         if lp.index in feature_layers:
             features[lp.index] = jnp.mean(x, axis=1)
         for branch in ("attn", "ffn"):
-            pre, post, comb = jax.vmap(lambda x_HD, b=branch, w=w: M._sublayer_mix(cfg, w, b, x_HD))(x)
-            h = jax.vmap(lambda x_HD, p, b=branch, w=w: rms_norm(hc_collapse(x_HD, p), w[f"{b}_norm"], cfg.rms_eps))(
-                x, pre_prev if cfg.hc_lag else pre)
+            h, pre, post, comb = jax.vmap(lambda x_HD, p, b=branch, w=w: M.sublayer_input(cfg, w, b, x_HD, p))(
+                x, pre_prev)
             if branch == "attn":
                 out, sm = _attention_rows(plan, lp, w, new_layers, h, pos_W, shared)
                 small.append(sm)

@@ -37,9 +37,8 @@ from jds41 import prefill as PF
 from jds41.block_step import _attention_rows
 from jds41.layers.engram import engram_combine
 from jds41.layers.grouped_experts import grouped_routed_experts
-from jds41.layers.mhc import hc_collapse, hc_expand, hc_onehot_pre
+from jds41.layers.mhc import hc_expand, hc_onehot_pre
 from jds41.layers.moe import routed_experts, shared_expert
-from jds41.layers.norm import rms_norm
 from jds41.layers.rowwise import island
 from jds41.quant.qtensor import rows_as_dots
 from jds41.tiers.experts import prefetch_experts
@@ -55,11 +54,8 @@ def _attention_blocks(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: 
     w = params["blocks"][lp.index]
     source_st = layers[lp.kv_source] if 0 <= lp.kv_source != lp.index else None
 
-    def mix(x, branch):
-        return jax.vmap(lambda x_HD: M._sublayer_mix(cfg, w, branch, x_HD))(x)
-
-    def collapse(x, p, norm):
-        return jax.vmap(lambda x_HD, p_H: rms_norm(hc_collapse(x_HD, p_H), w[norm], cfg.rms_eps))(x, p)
+    def sublayer_input(x, pre_prev, branch):
+        return jax.vmap(lambda x_HD, p_H: M.sublayer_input(cfg, w, branch, x_HD, p_H))(x, pre_prev)
 
     def body(st, b):
         x = b["x"]
@@ -72,14 +68,12 @@ def _attention_blocks(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: 
         if source_st is not None:
             new_st[lp.kv_source] = source_st  # read only where visible: rows of later positions are masked
         shared = {PF._step_key(k): v for k, v in b["shared"].items()}
-        pre, post, comb = mix(x, "attn")
-        h = collapse(x, b["pre_prev"] if cfg.hc_lag else pre, "attn_norm")
+        h, pre, post, comb = sublayer_input(x, b["pre_prev"], "attn")
         out, small = _attention_rows(plan, lp, w, new_st, h, b["pos"], shared)
         if keep_small:
             extra["small"] = small
         x = jax.vmap(hc_expand)(x, out, post, comb)
-        pre_f, post_f, comb_f = mix(x, "ffn")
-        h_f = collapse(x, pre if cfg.hc_lag else pre_f, "ffn_norm")
+        h_f, pre_f, post_f, comb_f = sublayer_input(x, pre, "ffn")
         r = jax.vmap(lambda h_D, t: M.route_layer(plan, lp, w, h_D, t))(h_f, b["token"])
         guess = jax.vmap(lambda h_D: PF._guess_next(plan, lp, params, h_D))(h_f)
         new_keys = {PF._tree_key(k): v for k, v in shared.items() if PF._tree_key(k) not in b["shared"]}

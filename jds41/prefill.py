@@ -53,9 +53,8 @@ import numpy as np
 
 from jds41 import model as M
 from jds41.layers.engram import engram_combine
-from jds41.layers.mhc import hc_collapse, hc_expand, hc_onehot_pre
+from jds41.layers.mhc import hc_expand, hc_onehot_pre
 from jds41.layers.moe import routed_experts, shared_expert
-from jds41.layers.norm import rms_norm
 from jds41.layers.router import route
 from jds41.layers.rowwise import island, map_rows
 from jds41.quant import QTensor
@@ -220,11 +219,9 @@ def _attention_pass(plan: M.ModelPlan, lp: M.LayerPlan, params: dict, layers: li
         if source_st is not None:
             new_st[lp.kv_source] = source_st  # read only where visible: rows of later tokens are masked
         shared = {_step_key(k): v for k, v in x_in["shared"].items()}
-        pre, post, comb = M._sublayer_mix(cfg, w, "attn", x)
-        h = rms_norm(hc_collapse(x, pre_prev if cfg.hc_lag else pre), w["attn_norm"], cfg.rms_eps)
+        h, pre, post, comb = M.sublayer_input(cfg, w, "attn", x, pre_prev)
         x = hc_expand(x, M._attention_block(plan, lp, w, st_all, new_st, h, pos, shared), post, comb)
-        pre_f, post_f, comb_f = M._sublayer_mix(cfg, w, "ffn", x)
-        h_f = rms_norm(hc_collapse(x, pre if cfg.hc_lag else pre_f), w["ffn_norm"], cfg.rms_eps)
+        h_f, pre_f, post_f, comb_f = M.sublayer_input(cfg, w, "ffn", x, pre)
         idx, weight, swaps = _route(plan, lp, w, h_f, token)
         out = {"x": x, "pre": pre_f, "post": post_f, "comb": comb_f, "h": h_f, "idx": idx, "weight": weight,
                "swaps": swaps, "guess": _guess_next(plan, lp, params, h_f),

@@ -30,10 +30,10 @@ from jds41.quant import triton_matvec
 H = 4  # hyper-connection copies: the only count the validated configs allow
 
 
-def _kernel(l_ref, o_ref, *, eps: float, iters: int):
-    i = pl.program_id(0)
+def comb_scalars(lg: list, eps: float, iters: int) -> list:
+    """The comb of one row's [src][dst] logits, each a scalar, in `_sinkhorn`'s order (maxima and sums left to
+    right): kernel code, shared with the fused sublayer-input kernel (layers/mhc_kernel.py)."""
     eps = jnp.float32(eps)
-    lg = [[l_ref[i, s * H + d] for d in range(H)] for s in range(H)]  # [src][dst] scalars
     c = []
     for s in range(H):
         m = lg[s][0]
@@ -66,6 +66,12 @@ def _kernel(l_ref, o_ref, *, eps: float, iters: int):
     c = cols(c)
     for _ in range(iters - 1):
         c = cols(rows(c))
+    return c
+
+
+def _kernel(l_ref, o_ref, *, eps: float, iters: int):
+    i = pl.program_id(0)
+    c = comb_scalars([[l_ref[i, s * H + d] for d in range(H)] for s in range(H)], eps, iters)  # [src][dst]
     for s in range(H):
         for d in range(H):
             o_ref[i, s * H + d] = c[s][d]
