@@ -30,10 +30,20 @@ from jds41.quant import triton_matvec
 H = 4  # hyper-connection copies: the only count the validated configs allow
 
 
-def comb_scalars(lg: list, eps: float, iters: int) -> list:
+def comb_scalars(lg: list, eps: float, iters: int, reciprocal: bool = False) -> list:
     """The comb of one row's [src][dst] logits, each a scalar, in `_sinkhorn`'s order (maxima and sums left to
-    right): kernel code, shared with the fused sublayer-input kernel (layers/mhc_kernel.py)."""
+    right): kernel code, shared with the fused sublayer-input kernel (layers/mhc_kernel.py). `reciprocal`: each
+    normalisation multiplies by 1 / (sum + eps) instead of dividing by it (four divisions a round of rows or
+    columns instead of sixteen: scalar code runs on one issue slot, and the divisions were most of it)."""
     eps = jnp.float32(eps)
+
+    def divisors(sums):
+        """How a row or column is normalised: a function of (value, index) dividing by its sum + eps."""
+        if reciprocal:
+            inv = [jnp.float32(1) / t for t in sums]
+            return lambda v, i: v * inv[i]
+        return lambda v, i: v / sums[i]
+
     c = []
     for s in range(H):
         m = lg[s][0]
@@ -52,7 +62,8 @@ def comb_scalars(lg: list, eps: float, iters: int) -> list:
             for s in range(1, H):
                 total = total + c[s][d]
             out.append(total + eps)
-        return [[c[s][d] / out[d] for d in range(H)] for s in range(H)]
+        by = divisors(out)
+        return [[by(c[s][d], d) for d in range(H)] for s in range(H)]
 
     def rows(c):
         out = []
@@ -61,7 +72,8 @@ def comb_scalars(lg: list, eps: float, iters: int) -> list:
             for d in range(1, H):
                 total = total + c[s][d]
             out.append(total + eps)
-        return [[c[s][d] / out[s] for d in range(H)] for s in range(H)]
+        by = divisors(out)
+        return [[by(c[s][d], s) for d in range(H)] for s in range(H)]
 
     c = cols(c)
     for _ in range(iters - 1):
