@@ -104,14 +104,12 @@ def q2k_kernel_on() -> bool:
 
 def kernel_ab() -> dict:
     """The kernel's load-ahead formats, row splits and how many measured tiles it takes (JDS41_PREFETCH, JDS41_SPLITS,
-    JDS41_MEASURED_TILES: quant/triton_matvec.py), and whether the fused sublayer input runs (JDS41_MHC_KERNEL:
-    layers/mhc_kernel.py)."""
-    from jds41.layers import mhc_kernel
+    JDS41_MEASURED_TILES: quant/triton_matvec.py)."""
     from jds41.quant import triton_matvec
 
     return {"kernel_prefetch": sorted(t.name for t in triton_matvec.PREFETCH),
             "kernel_splits": {t.name: v for t, v in triton_matvec.SPLITS.items()},
-            "measured_tiles": len(triton_matvec.MEASURED_TILES), "mhc_kernel": mhc_kernel.ENABLED}
+            "measured_tiles": len(triton_matvec.MEASURED_TILES)}
 
 
 def _machine() -> str:

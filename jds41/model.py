@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jds41.config import ModelConfig
-from jds41.layers import attention, compressor, indexer, mhc_kernel
+from jds41.layers import attention, compressor, indexer
 from jds41.layers.compressor import CompressorSpec
 from jds41.layers.engram import engram_combine
 from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_onehot_pre, hc_split
@@ -240,28 +240,13 @@ def _sublayer_mix(cfg: ModelConfig, w: dict, branch: str, x_HD):
 
 
 def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H):
-    """One row's sublayer input from the stream x [H, D]: (h [D] its normed input, pre, post, comb). The collapse
-    takes the handed-over `pre_prev_H` (V4.1's lag) or this sublayer's own pre (V4). On CUDA the fused kernels of
-    layers/mhc_kernel.py (every path's sublayer input, so decode stays exact against itself there), elsewhere the
-    XLA composition of mhc.py and norm.py, the reference."""
-    fn, norm = w[f"hc_{branch}_fn"], w[f"{branch}_norm"]
-
-    def xla(x_HD, prev_H):
-        pre, post, comb = _sublayer_mix(cfg, w, branch, x_HD)
-        return rms_norm(hc_collapse(x_HD, prev_H if cfg.hc_lag else pre), norm, cfg.rms_eps), pre, post, comb
-
-    if not mhc_kernel.applies(x_HD.shape[-2], fn.shape[0], x_HD.shape[-1]):
-        return xla(x_HD, pre_prev_H)
-
-    def kernel(x_HD, prev_H):
-        out = mhc_kernel.sublayer_input_rows(
-            x_HD[None], fn, w[f"hc_{branch}_scale"], w[f"hc_{branch}_base"], prev_H[None], norm, rms_eps=cfg.rms_eps,
-            hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, lag=cfg.hc_lag, interpret=mhc_kernel.INTERPRET)
-        return tuple(o[0] for o in out)
-
-    if mhc_kernel.INTERPRET:
-        return kernel(x_HD, pre_prev_H)
-    return jax.lax.platform_dependent(x_HD, pre_prev_H, cuda=kernel, default=xla)
+    """One row's sublayer input from the stream x [H, D]: (h [D] its normed input, pre, post, comb), every path's
+    (decode, prefill, layer-major groups, verify rows). The collapse takes the handed-over `pre_prev_H` (V4.1's lag)
+    or this sublayer's own pre (V4). (Two fused Triton forms of this chain ran slower than XLA's ten kernels on the
+    H200: experiments/README.md, twenty-fourth session.)"""
+    pre, post, comb = _sublayer_mix(cfg, w, branch, x_HD)
+    h = rms_norm(hc_collapse(x_HD, pre_prev_H if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
+    return h, pre, post, comb
 
 
 def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows: jax.Array | None,

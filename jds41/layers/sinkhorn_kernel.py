@@ -30,20 +30,10 @@ from jds41.quant import triton_matvec
 H = 4  # hyper-connection copies: the only count the validated configs allow
 
 
-def comb_scalars(lg: list, eps: float, iters: int, reciprocal: bool = False) -> list:
-    """The comb of one row's [src][dst] logits, each a scalar, in `_sinkhorn`'s order (maxima and sums left to
-    right): kernel code, shared with the fused sublayer-input kernel (layers/mhc_kernel.py). `reciprocal`: each
-    normalisation multiplies by 1 / (sum + eps) instead of dividing by it (four divisions a round of rows or
-    columns instead of sixteen: scalar code runs on one issue slot, and the divisions were most of it)."""
+def _kernel(l_ref, o_ref, *, eps: float, iters: int):
+    i = pl.program_id(0)
     eps = jnp.float32(eps)
-
-    def divisors(sums):
-        """How a row or column is normalised: a function of (value, index) dividing by its sum + eps."""
-        if reciprocal:
-            inv = [jnp.float32(1) / t for t in sums]
-            return lambda v, i: v * inv[i]
-        return lambda v, i: v / sums[i]
-
+    lg = [[l_ref[i, s * H + d] for d in range(H)] for s in range(H)]  # [src][dst] scalars
     c = []
     for s in range(H):
         m = lg[s][0]
@@ -62,8 +52,7 @@ def comb_scalars(lg: list, eps: float, iters: int, reciprocal: bool = False) -> 
             for s in range(1, H):
                 total = total + c[s][d]
             out.append(total + eps)
-        by = divisors(out)
-        return [[by(c[s][d], d) for d in range(H)] for s in range(H)]
+        return [[c[s][d] / out[d] for d in range(H)] for s in range(H)]
 
     def rows(c):
         out = []
@@ -72,18 +61,11 @@ def comb_scalars(lg: list, eps: float, iters: int, reciprocal: bool = False) -> 
             for d in range(1, H):
                 total = total + c[s][d]
             out.append(total + eps)
-        by = divisors(out)
-        return [[by(c[s][d], s) for d in range(H)] for s in range(H)]
+        return [[c[s][d] / out[s] for d in range(H)] for s in range(H)]
 
     c = cols(c)
     for _ in range(iters - 1):
         c = cols(rows(c))
-    return c
-
-
-def _kernel(l_ref, o_ref, *, eps: float, iters: int):
-    i = pl.program_id(0)
-    c = comb_scalars([[l_ref[i, s * H + d] for d in range(H)] for s in range(H)], eps, iters)  # [src][dst]
     for s in range(H):
         for d in range(H):
             o_ref[i, s * H + d] = c[s][d]
