@@ -9,8 +9,10 @@ routed-expert product read MXFP4 at 7% of HBM bandwidth through XLA (experiments
 
 Each timed call runs `--reps` products in one jitted `fori_loop`, the expert indices moving on every iteration so
 the rows come from HBM, not from the 60 MB L2 (one call reads 27 MB; 50 calls walk 300 experts of the 1.1 GB
-stack). `--tiles` also sweeps the kernel's tile (rows per program, blocks per step, the `--warps` counts and the
-`--splits` of a row; `--rows` and `--blocks` narrow the first two) on every shape but "dense".
+stack). Each row also has the loop's own cost a call without a product ("loop_us") and the time without it
+("net_us", "net_gb_per_s"). `--tiles` also sweeps the kernel's tile (rows per program, blocks per step, the
+`--warps` counts and the `--splits` of a row; `--rows` and `--blocks` narrow the first two) on every shape but
+"dense".
 CPU runs check the code path only (the kernel then runs in Pallas' interpreter on a shrunk shape).
 """
 
@@ -129,6 +131,12 @@ def main(argv=None) -> int:
         if qtype == T.Q2_K:
             shape["q2k_kernel"] = Q2K_KERNEL
         want = np.asarray(jax.jit(lambda x, r, i, q=qtype: xla_rows_matvec(x, r, i, q))(x, ggml, idx0))
+        # The timing loop's own cost a call (its trip, the index update, the sum of a [K, O] output), with no
+        # product: on the H200 ~8 us, which a small product's "us" carries (V4.1's kv: 13.3 here, 5.2 in the decode
+        # profile). "net_us" leaves it out.
+        empty = lambda x, r, i, K=K, n_out=n_out: (  # noqa: E731
+            jnp.broadcast_to(x[:1, :1], (K, n_out)) + i[:, None].astype(jnp.float32))
+        loop_s = _seconds(_loop(empty, a.reps, E, K), x, ggml, idx0) / a.reps
         paths = [("xla", lay, None) for lay in rows]
         paths += [("triton", lay, None) for lay in ("ggml", "planar") if supported(qtype, 0, lay)]
         if a.tiles and name != "dense":  # the layout the engine gives the kernel: planar where the kernel reads
@@ -154,8 +162,11 @@ def main(argv=None) -> int:
                       "error": f"{type(e).__name__}: {e}"[:400]}, a.out)
                 continue
             tile = tile or (default_tile(qtype, K, n_out, n_in) if path == "triton" else None)
+            net = max(s - loop_s, 1e-9)
             emit({**common, **shape, "path": path, "layout": layout, "tile": tile, "us": round(s * 1e6, 2),
                   "gb_per_s": round(nbytes / s / 1e9, 1), "hbm_share": round(nbytes / s / BW["hbm"], 4),
+                  "loop_us": round(loop_s * 1e6, 2), "net_us": round(net * 1e6, 2),
+                  "net_gb_per_s": round(nbytes / net / 1e9, 1),
                   "max_rel_diff_vs_xla": float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))}, a.out)
     return 0
 

@@ -33,6 +33,7 @@ def test_bench_kernels_reports_both_paths_for_every_shape(tmp_path):
         want += [(name, qt.name, "triton", lay) for lay in ("ggml", "planar") if supported(qt, 0, lay)]
     assert [(r["shape"], r["qtype"], r["path"], r["layout"]) for r in rows] == want
     for r in rows:
-        assert "error" not in r and r["us"] > 0 and r["bytes"] > 0
+        assert "error" not in r and r["us"] > 0 and r["bytes"] > 0 and r["loop_us"] > 0
+        assert r["net_us"] == pytest.approx(max(r["us"] - r["loop_us"], 1e-3), abs=0.02)
         # XLA reads both layouts to the same bits; the kernel sums in its own order
         assert r["max_rel_diff_vs_xla"] < (1e-6 if r["path"] == "triton" else 1e-30)
