@@ -11,7 +11,7 @@ become [T, ...] arrays handed from one layer pass to the next: the residual stre
 source's top-k and the candidate blocks.
 
 Bit-identical to `model.prefill` by construction, not by tolerance: every per-token value goes through the same
-functions `step` uses (`model._attention_block`, `_sublayer_mix`, `route`, `routed_experts`, `shared_expert`,
+functions `step` uses (`model._attention_block`, `sublayer_input`, `route`, `routed_experts`, `shared_expert`,
 the mHC collapse/expand), each run once per token inside a scan whose body sees the decode shapes; those layer
 functions are fusion islands (layers/rowwise.py), so their rounding does not depend on the program around them.
 Two things differ and neither changes a value:

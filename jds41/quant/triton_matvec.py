@@ -83,6 +83,8 @@ BO_MAX, PROGRAMS, STEP_BYTES, STEP_VALUES_MIN, NUM_WARPS = 16, 1024, 8192, 512, 
 # Offsets into the stack are 32-bit in Triton's lowering below 2^32 bytes, and signed products overflowed past
 # 2^31 on the H200 (an illegal address with a 2.3 GB Q8_0 stack): larger stacks keep the XLA path.
 MAX_STACK_BYTES = (1 << 31) - 1
+
+
 def _kernel_type(name: str, variable: str):
     """The kernel format named `name` in environment variable `variable`, or a ValueError that names both."""
     if name not in T.__members__ or T[name] not in BLOCKS:
