@@ -1,6 +1,8 @@
-"""The planar row layout (jds41/quant/planar.py): Q8_0 / MXFP4 rows regrouped quants-first on the device.
+"""The planar row layout (jds41/quant/planar.py): Q8_0 / MXFP4 / IQ2_XXS / Q2_K rows regrouped quants-first on the
+device.
 
-Checks: the regrouping is a permutation of each row's bytes with the documented order (and its inverse); planar rows
+Checks: the regrouping is a permutation of each row's bytes with the documented order (Q2_K: its codes reordered
+into value order, checked against a loop over the file's bit positions), and its inverse; planar rows
 decode to gguf-py's values bit for bit (MXFP4 with subnormal scales included); every XLA product over planar rows
 equals the same product over GGML rows bit for bit; `planar_params` regroups every Q8_0 / MXFP4 matrix and expert
 stack and leaves other leaves alone; an engine with planar weights gives the logits of the GGML engine bit for bit on
@@ -20,13 +22,13 @@ from jds41.quant import QTensor, qmatmul, qmatvec, qmatvec_experts
 from jds41.quant.planar import dequantize_planar, from_planar, planar_params, quant_bytes, to_planar
 from jds41.quant.random_blocks import random_quantized
 
-FORMATS = [T.Q8_0, T.MXFP4, T.IQ2_XXS]
+FORMATS = [T.Q8_0, T.MXFP4, T.IQ2_XXS, T.Q2_K]
 # a three-tier placement (HBM, pinned host, SSD through a 2-slot cache) for the engine tests
 SPLIT3 = {"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3, "placement_source": "uniform",
           "slot_cache_slots": 2, "lookahead": 1, "router_lean": {"enabled": False}}
 
 
-@pytest.mark.parametrize("qtype", FORMATS)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.MXFP4, T.IQ2_XXS])
 def test_planar_rows_hold_every_blocks_quants_then_every_scale(qtype):
     rng = np.random.default_rng(0)
     # a GGML block: h scale bytes, then p quant bytes, for n values
@@ -41,6 +43,29 @@ def test_planar_rows_hold_every_blocks_quants_then_every_scale(qtype):
     assert quant_bytes(qtype, 8 * n) == 8 * p
     np.testing.assert_array_equal(from_planar(planar, qtype), raw)
     np.testing.assert_array_equal(np.asarray(to_planar(jnp.asarray(raw), qtype)), planar)  # jax spelling too
+
+
+def test_planar_q2_k_rows_hold_codes_in_value_order_then_the_other_fields():
+    rng = np.random.default_rng(6)
+    raw = random_quantized(rng, T.Q2_K, (2, 3, 4 * 256))  # 4 blocks per row
+    planar = to_planar(raw, T.Q2_K)
+    assert planar.shape == raw.shape and planar.dtype == np.uint8
+    blocks = raw.reshape(2, 3, 4, 84)
+    for b in range(4):
+        want = np.zeros((2, 3, 64), np.uint8)
+        for c in range(2):  # the file's byte c*32 + l holds value c*128 + s*32 + l at bits 2s
+            for s in range(4):
+                for lane in range(32):
+                    value = c * 128 + s * 32 + lane
+                    code = (blocks[..., b, 16 + c * 32 + lane] >> (2 * s)) & 3
+                    want[..., value // 4] |= (code << (2 * (value % 4))).astype(np.uint8)  # value 4t + u: bits 2u
+        np.testing.assert_array_equal(planar[..., b * 64:(b + 1) * 64], want)
+        fields = planar[..., 4 * 64 + b * 20:4 * 64 + (b + 1) * 20]  # 16 scale|min bytes, d, dmin, after every code
+        np.testing.assert_array_equal(fields, np.concatenate([blocks[..., b, :16], blocks[..., b, 80:]], axis=-1))
+    assert quant_bytes(T.Q2_K, 4 * 256) == 4 * 64
+    np.testing.assert_array_equal(from_planar(planar, T.Q2_K), raw)
+    np.testing.assert_array_equal(np.asarray(to_planar(jnp.asarray(raw), T.Q2_K)), planar)
+    np.testing.assert_array_equal(np.asarray(from_planar(jnp.asarray(planar), T.Q2_K)), raw)
 
 
 @pytest.mark.parametrize("qtype", FORMATS)
@@ -69,7 +94,7 @@ def test_xla_products_over_planar_rows_equal_those_over_ggml_rows(qtype):
         np.testing.assert_array_equal(np.asarray(jax.jit(fn)(planar)), np.asarray(jax.jit(fn)(ggml)))
 
 
-def test_planar_params_regroup_every_q8_0_and_mxfp4_matrix_and_stack():
+def test_planar_params_regroup_every_matrix_and_stack_that_has_the_layout():
     rng = np.random.default_rng(3)
 
     def q(qtype, shape):
@@ -78,13 +103,14 @@ def test_planar_params_regroup_every_q8_0_and_mxfp4_matrix_and_stack():
     params = {"output": q(T.Q8_0, (64, 256)), "output_norm": jnp.ones(256),
               "blocks": [{"attn_q_a": q(T.MXFP4, (32, 256)), "ffn_gate_exps": q(T.MXFP4, (4, 32, 256)),
                           "ffn_up_exps": q(T.Q8_0, (4, 32, 256)), "ffn_down_exps": q(T.Q2_K, (4, 256, 256)),
-                          "ffn_gate_inp": q(T.F32, (4, 256))}]}
+                          "attn_kv": q(T.Q4_K, (32, 256)), "ffn_gate_inp": q(T.F32, (4, 256))}]}
     out = planar_params(params)
     layouts = {k: v.layout for k, v in out["blocks"][0].items()}
     assert layouts == {"attn_q_a": "planar", "ffn_gate_exps": "planar", "ffn_up_exps": "planar",
-                       "ffn_down_exps": "ggml", "ffn_gate_inp": "ggml"}  # Q2_K and F32 have no planar layout
+                       "ffn_down_exps": "planar", "attn_kv": "ggml",
+                       "ffn_gate_inp": "ggml"}  # Q4_K and F32 have no planar layout
     assert out["output"].layout == "planar" and out["output_norm"] is params["output_norm"]
-    for name in ("attn_q_a", "ffn_gate_exps", "ffn_up_exps"):
+    for name in ("attn_q_a", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
         before, after = params["blocks"][0][name], out["blocks"][0][name]
         np.testing.assert_array_equal(np.asarray(after.data), to_planar(np.asarray(before.data), before.qtype))
     with pytest.raises(ValueError, match="layout"):
@@ -131,9 +157,9 @@ def test_planar_tier_stores_keep_every_placement_on_the_resident_bits(synthetic_
 
 @pytest.mark.slow
 def test_two_bit_expert_stacks_go_planar_and_keep_the_resident_bits_in_every_tier(tmp_path, monkeypatch):
-    """IQ2_XXS gate/up stacks (V4.1's two-bit experts, rows of 256) take the planar layout with the others; Q2_K
-    down stacks, which have none, stay GGML. Planar weights give the GGML engine's logits bit for bit, resident and
-    over HBM, pinned host memory and the SSD (whose answers the graph regroups)."""
+    """IQ2_XXS gate/up stacks and Q2_K down stacks (V4.1's two-bit experts, rows of 256) take the planar layout
+    with the others. Planar weights give the GGML engine's logits bit for bit, resident and over HBM, pinned host
+    memory and the SSD (whose answers the graph regroups)."""
     import dataclasses
     import json
 
@@ -153,10 +179,11 @@ def test_two_bit_expert_stacks_go_planar_and_keep_the_resident_bits_in_every_tie
     resident = Engine.open(str(model), max_ctx=64, prefill_chunk=8)
     block = resident.params["blocks"][cfg.n_layers - 1]
     assert block["ffn_gate_exps"].qtype == T.IQ2_XXS and block["ffn_gate_exps"].layout == "planar"
-    assert block["ffn_down_exps"].qtype == T.Q2_K and block["ffn_down_exps"].layout == "ggml"
+    assert block["ffn_down_exps"].qtype == T.Q2_K and block["ffn_down_exps"].layout == "planar"
     np.testing.assert_array_equal(resident.session().feed(toks, all_logits=True), want)
     tiered = Engine.open(str(model), max_ctx=64, prefill_chunk=8, profile=str(profile))
     routed = tiered.params["blocks"][cfg.n_layers - 1]["routed"]
     assert routed.hbm["gate"].layout == routed.host["gate"].layout == "planar" and routed.source is not None
+    assert routed.hbm["down"].layout == routed.host["down"].layout == "planar"
     np.testing.assert_array_equal(tiered.session().feed(toks, all_logits=True), want)
     tiered.tiers.close()

@@ -172,13 +172,19 @@ def _dec_q4_k(b):
 _CRUMB_SHIFT = np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)
 
 
-def _dec_q2_k(b):
-    scales, qs, d, dmin = _split(b, 16, 64, 2, 2)
+def q2_k_values(scales, codes, d, dmin):
+    """Q2_K values from a block's fields: scales uint8[..., 16] (scale | min << 4), codes uint8[..., 256] (each
+    0..3, in value order), d and dmin uint8[..., 2] (f16 bytes) -> f32[..., 256]."""
     dl = _f16(d)[..., None] * (scales & 0x0F).astype(jnp.float32)  # [..., 16]
     ml = _f16(dmin)[..., None] * (scales >> 4).astype(jnp.float32)
+    q = _lead(codes, 16, 16).astype(jnp.float32)
+    return (dl[..., None] * q - ml[..., None]).reshape(*codes.shape[:-1], 256)
+
+
+def _dec_q2_k(b):
+    scales, qs, d, dmin = _split(b, 16, 64, 2, 2)
     q = (_lead(qs, 2, 1, 32) >> _CRUMB_SHIFT) & 0x03  # [..., 2, 4, 32]: chunk, shift, byte
-    q = _lead(q.reshape(*q.shape[:-3], 256), 16, 16).astype(jnp.float32)
-    return (dl[..., None] * q - ml[..., None]).reshape(*b.shape[:-1], 256)
+    return q2_k_values(scales, q.reshape(*q.shape[:-3], 256), d, dmin)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66),
 # benchmarks).
 Q2K_KERNEL = os.environ.get("JDS41_Q2K_KERNEL", "1") != "0"
 KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
-                   (T.IQ2_XXS, "planar")} | ({(T.Q2_K, "ggml")} if Q2K_KERNEL else set()))
+                   (T.IQ2_XXS, "planar")} | ({(T.Q2_K, "ggml"), (T.Q2_K, "planar")} if Q2K_KERNEL else set()))
 # The tile, set by the product's shape alone (so every path that computes a product of that shape, whatever the
 # tier, layout or batching, sums in the same order): BO rows per program, NB blocks per step, NUM_WARPS warps.
 # BO is made small enough that the grid has about PROGRAMS programs (a [2048, 4096] shared-expert matrix at BO = 16
@@ -384,6 +384,43 @@ def _dot_q2_k(loaded, x_ref, kx, b):
     return jnp.sum(_f16_value(d_bytes) * scaled - _f16_value(dmin_bytes) * mins, axis=1)
 
 
+def _load_q2_k_planar(w_ref, rows, b, *, n_in: int):
+    w, t = _ar(16, 2, 4), _ar(4, 3, 4)  # [1, 1, 16, 1] sub-blocks (one 4-byte word each), [1, 1, 1, 4] its bytes
+    codes = w_ref[rows[:, None, None, None], b[None, :, None, None] * 64 + w * 4 + t]  # [BO, NB, 16, 4]
+    fields_at = quant_bytes(T.Q2_K, n_in) + b * 20  # each block's 16 scale|min bytes, d, dmin after every code
+    sc = w_ref[rows[:, None, None], (fields_at[:, None] + _ar(16, 1, 2))[None]]  # [BO, NB, 16]
+    d_at = (fields_at + 16)[None, :]
+    return codes, sc, _f16_bytes(w_ref, rows[:, None], d_at), _f16_bytes(w_ref, rows[:, None], d_at + 2)
+
+
+def _dot_q2_k_planar(loaded, x_ref, kx, b):
+    """Planar Q2_K: a block's codes in value order, four a byte (value 4t + u at bits 2u of byte t), so a
+    sub-block's 16 codes are its 4 bytes; then the 16 scale|min bytes, d and dmin. Per sub-block the sum of q*x
+    (over the byte's 4 codes in order, then its 4 bytes) and of x, then d * sum(scale * qx) - dmin * sum(min * x) as
+    `_dot_q2_k`. x comes permuted (`_crumb_major`: value 4t + u of a block at 64u + t), so each code position u of
+    the loop below reads 64 contiguous floats and every shift is a constant."""
+    codes, sc_bytes, d_bytes, dmin_bytes = loaded
+    codes = codes.astype(jnp.uint32)
+    w, t = _ar(16, 2, 4), _ar(4, 3, 4)
+    x_at = b[:, None, None] * 256 + w[0] * 4 + t[0]  # [NB, 16, 4]: byte t of word w's code 0 in the permuted x
+    qx_acc = x_acc = None
+    for u in range(4):
+        x = x_ref[kx, x_at + 64 * u][None]  # [1, NB, 16, 4]
+        term = _field_to_f32(codes, 2 * u, 3) * x
+        qx_acc, x_acc = (term, x) if u == 0 else (qx_acc + term, x_acc + x)
+    qx, xs = jnp.sum(qx_acc, axis=3), jnp.sum(x_acc, axis=3)  # [BO, NB, 16], [1, NB, 16]
+    sc = sc_bytes.astype(jnp.int32)
+    scaled = jnp.sum(_small_int_to_f32(sc & 15) * qx, axis=2)
+    mins = jnp.sum(_small_int_to_f32(sc >> 4) * xs, axis=2)
+    return jnp.sum(_f16_value(d_bytes) * scaled - _f16_value(dmin_bytes) * mins, axis=1)
+
+
+def _crumb_major(x_XI: jax.Array) -> jax.Array:
+    """x [X, I] with each 256-value block's value 4t + u moved to 64u + t (the planar Q2_K step's x)."""
+    X, n_in = x_XI.shape
+    return x_XI.reshape(X, n_in // 256, 64, 4).swapaxes(2, 3).reshape(X, n_in)
+
+
 def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
             steps: int, x_per_row: bool):
     """One program: BO rows of one selected matrix over `steps` steps of NB blocks (its split's share of the row)
@@ -400,7 +437,8 @@ def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out:
         T.Q8_0: (functools.partial(_load_q8_0, n_in=n_in), _dot_q8_0),
         T.IQ2_XXS: (functools.partial(_load_iq2_xxs, planar=planar, n_in=n_in),
                     functools.partial(_dot_iq2_xxs, tbl_ref=tbl_ref)),
-        T.Q2_K: (_load_q2_k, _dot_q2_k)}[qtype]
+        T.Q2_K: (functools.partial(_load_q2_k_planar, n_in=n_in), _dot_q2_k_planar) if planar
+        else (_load_q2_k, _dot_q2_k)}[qtype]
     blocks = lambda t: (split * steps + t) * nb + jnp.arange(nb, dtype=jnp.int32)  # noqa: E731
 
     if qtype in PREFETCH:
@@ -453,6 +491,8 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
     tables = (jnp.asarray(IQ2XXS_KERNEL_TABLE),) if qtype == T.IQ2_XXS else ()
     if qtype == T.IQ2_XXS:
         x_XI = _octet_major(x_XI)
+    elif qtype == T.Q2_K and layout == "planar":
+        x_XI = _crumb_major(x_XI)
     parts = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((splits, K, n_out), jnp.float32), grid=(K, n_out // bo, splits),
         out_specs=pl.BlockSpec((1, 1, bo), lambda k, j, s: (s, k, j)), compiler_params=params, interpret=interpret,

@@ -34,7 +34,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from jds41.quant import QTensor
-from jds41.quant.planar import PLANAR_TYPES, to_planar_on_device
+from jds41.quant.planar import regrouped, to_planar_on_device
 from jds41.tiers.slot_cache import SlotCache
 from jds41.tiers.ssd import ExpertReader, Key, aligned_empty
 
@@ -185,7 +185,7 @@ def _stacks_for(layout: ExpertLayout, local: dict[Key, int], reader: ExpertReade
 def _put(q: QTensor, sharding: jax.sharding.Sharding, planar: bool = False) -> QTensor:
     """`q` placed with `sharding`; with `planar` (and a format that has the layout) regrouped on the way. The
     regrouping runs on the device (numpy did it at 0.2-0.3 GB/s), one stack at a time."""
-    if planar and q.qtype in PLANAR_TYPES:
+    if planar and regrouped(q.qtype):
         rows = to_planar_on_device(jax.device_put(q.data, jax.devices()[0]), q.qtype)
         return q.with_layout(jax.device_put(rows, sharding), "planar")
     return dataclasses.replace(q, data=jax.device_put(q.data, sharding))
