@@ -5,7 +5,8 @@ machines without a GPU, CI included). On the GPU box: `python -m pytest -q -m gp
   move-all-K path, beside SSD experts through the slot cache: logits bit-identical to the all-resident model;
 - one-row tier stacks (the XLA "bitcast across memory spaces" case seen on the H200);
 - the device decode loop against the step-per-token reference, with tiered experts;
-- with MXFP4 experts, all of it through the Triton kernel (jds41/quant/triton_matvec.py).
+- with MXFP4 experts, and with V4.1's two-bit ones (IQ2_XXS gate/up, Q2_K down, both planar in every tier), all of
+  it through the Triton kernel (jds41/quant/triton_matvec.py).
 """
 
 from __future__ import annotations
@@ -31,10 +32,24 @@ def _profile(tmp_path, name: str, **fields) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("quant", ["q8", "mxfp4"])  # mxfp4: the experts' products are the Triton kernel's
+def _two_bit_model(tmp_path) -> str:
+    """A tiny V4.1 file with ds4's two-bit experts (rows of 256 values, so no Q8_0 fallback)."""
+    import dataclasses
+
+    from jds41.checkpoints import synth
+    from jds41.checkpoints.presets import preset
+
+    path = tmp_path / "two-bit.gguf"
+    cfg = dataclasses.replace(preset("deepseek41", "tiny"), dim=256, expert_ff=256)
+    assert not synth.write_synthetic(path, cfg, "ds4-q2", progress=False)["fallback_q8_0"]
+    return str(path)
+
+
+# mxfp4 and ds4-q2: the experts' products are the Triton kernel's
+@pytest.mark.parametrize("quant", ["q8", "mxfp4", "ds4-q2"])
 @pytest.mark.parametrize("fetch", ["all", "selected"])
 def test_tiered_logits_equal_resident_on_the_gpu(synthetic_model, tmp_path, fetch, quant):
-    path = str(synthetic_model("deepseek41", "tiny", quant))
+    path = _two_bit_model(tmp_path) if quant == "ds4-q2" else str(synthetic_model("deepseek41", "tiny", quant))
     want = Engine.open(path, max_ctx=64).session().feed(TOKENS, all_logits=True)
     prof = _profile(tmp_path, f"mixed-{fetch}", tier0_bytes=0.3, tier1_bytes=0.4, host_fetch=fetch)
     got = Engine.open(path, max_ctx=64, profile=prof).session().feed(TOKENS, all_logits=True)
