@@ -104,12 +104,15 @@ def q2k_kernel_on() -> bool:
 
 def kernel_ab() -> dict:
     """The kernel's load-ahead formats, row splits and how many measured tiles it takes (JDS41_PREFETCH, JDS41_SPLITS,
-    JDS41_MEASURED_TILES: quant/triton_matvec.py)."""
-    from jds41.quant import triton_matvec
+    JDS41_MEASURED_TILES: quant/triton_matvec.py), and whether Q2_K stacks are regrouped (JDS41_PLANAR_Q2K:
+    quant/planar.py)."""
+    from gguf import GGMLQuantizationType as T
+
+    from jds41.quant import planar, triton_matvec
 
     return {"kernel_prefetch": sorted(t.name for t in triton_matvec.PREFETCH),
             "kernel_splits": {t.name: v for t, v in triton_matvec.SPLITS.items()},
-            "measured_tiles": len(triton_matvec.MEASURED_TILES)}
+            "measured_tiles": len(triton_matvec.MEASURED_TILES), "planar_q2k": planar.regrouped(T.Q2_K)}
 
 
 def _machine() -> str:
