@@ -32,7 +32,7 @@ H = 4  # hyper-connection copies: the only count the validated configs allow
 
 def _kernel(l_ref, o_ref, *, eps: float, iters: int):
     i = pl.program_id(0)
-    eps = jnp.float32(eps)
+    eps, one = jnp.float32(eps), jnp.float32(1)
     lg = [[l_ref[i, s * H + d] for d in range(H)] for s in range(H)]  # [src][dst] scalars
     c = []
     for s in range(H):
@@ -43,25 +43,28 @@ def _kernel(l_ref, o_ref, *, eps: float, iters: int):
         total = e[0]
         for d in range(1, H):
             total = total + e[d]
-        c.append([e[d] / total + eps for d in range(H)])  # softmax over dst, + hc_eps
+        inv = one / total
+        c.append([e[d] * inv + eps for d in range(H)])  # softmax over dst, + hc_eps
 
+    # Each normalisation multiplies by the sum's reciprocal: 4 divisions a round instead of 16 (the divisions, a
+    # ~10-instruction sequence each in one thread, bounded the kernel: 5.1 us a call on the H200)
     def cols(c):
-        out = []
+        inv = []
         for d in range(H):
             total = c[0][d]
             for s in range(1, H):
                 total = total + c[s][d]
-            out.append(total + eps)
-        return [[c[s][d] / out[d] for d in range(H)] for s in range(H)]
+            inv.append(one / (total + eps))
+        return [[c[s][d] * inv[d] for d in range(H)] for s in range(H)]
 
     def rows(c):
-        out = []
+        inv = []
         for s in range(H):
             total = c[s][0]
             for d in range(1, H):
                 total = total + c[s][d]
-            out.append(total + eps)
-        return [[c[s][d] / out[s] for d in range(H)] for s in range(H)]
+            inv.append(one / (total + eps))
+        return [[c[s][d] * inv[s] for d in range(H)] for s in range(H)]
 
     c = cols(c)
     for _ in range(iters - 1):

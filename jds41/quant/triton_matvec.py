@@ -293,18 +293,32 @@ def _field_to_f32(word, shift: int, mask: int):
     return lax.bitcast_convert_type(((word >> np.uint32(shift)) & np.uint32(mask)) | _MAGIC_U, jnp.float32) - _MAGIC_F
 
 
-def _iq2xxs_kernel_table() -> np.ndarray:
-    """The IQ2_XXS step's one lookup table, uint32: words 2g and 2g + 1 hold grid entry g's magnitudes (8, 25 or 43)
-    as bytes, values 0-3 and 4-7; word SIGNS_AT + i holds sign index i's 8 sign bits, i | parity(i) << 7."""
+# JDS41_IQ2_MAGS (read at import; an A/B switch while the two are measured): "bytes" keeps two words of magnitude
+# bytes a grid entry (each value: shift, mask, OR into 2^23, subtract), "bf16" four words of magnitude pairs as bf16
+# bits (each value: one shift or mask; 8, 25 and 43 are exact in bf16).
+IQ2_MAGS = os.environ.get("JDS41_IQ2_MAGS", "bf16")
+
+
+def _iq2xxs_kernel_table() -> tuple[np.ndarray, int]:
+    """The IQ2_XXS step's one lookup table, uint32, and where its sign words start. "bytes": words 2g and 2g + 1
+    hold grid entry g's magnitudes (8, 25 or 43) as bytes, values 0-3 and 4-7; "bf16": words 4g + m hold values 2m
+    (low half) and 2m + 1 (high half) as bf16 bits. Word SIGNS_AT + i holds sign index i's 8 sign bits,
+    i | parity(i) << 7."""
     codes = (IQ2XXS_PACKED_GRID[:, None].astype(np.uint32) >> (2 * np.arange(8, dtype=np.uint32))) & 3
-    mags = np.array([8, 25, 43], np.uint32)[codes].reshape(256, 2, 4)
-    words = (mags << (8 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32).reshape(512)
+    mags = np.array([8, 25, 43], np.uint32)[codes]  # [256, 8]
+    if IQ2_MAGS == "bf16":
+        bf16 = mags.astype(np.float32).view(np.uint32) >> 16  # exact: at most 6 significant bits
+        words = (bf16[:, 0::2] | (bf16[:, 1::2] << 16)).reshape(1024)
+    else:
+        words = (mags.reshape(256, 2, 4) << (8 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32)
+        words = words.reshape(512)
     i = np.arange(128, dtype=np.uint32)
     parity = np.array([bin(int(v)).count("1") & 1 for v in i], np.uint32)
-    return np.concatenate([words, i | (parity << 7)]).astype(np.uint32)
+    return np.concatenate([words, i | (parity << 7)]).astype(np.uint32), len(words)
 
 
-IQ2XXS_KERNEL_TABLE, _IQ2_SIGNS_AT = _iq2xxs_kernel_table(), 512
+IQ2XXS_KERNEL_TABLE, _IQ2_SIGNS_AT = _iq2xxs_kernel_table()
+_HIGH_HALF = np.uint32(0xFFFF0000)
 
 
 def _load_iq2_xxs(w_ref, rows, b, *, planar: bool, n_in: int):
@@ -338,7 +352,10 @@ def _dot_iq2_xxs(loaded, x_ref, kx, b, *, tbl_ref):
     aux = aux_bytes[0].astype(jnp.uint32)
     for byte in range(1, 4):
         aux = aux | (aux_bytes[byte].astype(jnp.uint32) << (8 * byte))
-    mags = (tbl_ref[2 * idx], tbl_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
+    if IQ2_MAGS == "bf16":
+        mags = tuple(tbl_ref[4 * idx + m] for m in range(4))  # bf16 magnitude pairs of values 2m, 2m + 1
+    else:
+        mags = (tbl_ref[2 * idx], tbl_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
     signs = tbl_ref[_IQ2_SIGNS_AT + ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)]
     x_at = b[:, None, None] * 256 + g[0] * 4 + j[0]  # [NB, 8, 4]: octet o's value 0 in the permuted x
     acc = None
@@ -346,7 +363,12 @@ def _dot_iq2_xxs(loaded, x_ref, kx, b, *, tbl_ref):
         x = x_ref[kx, x_at + 32 * k][None]  # [1, NB, 8, 4]
         signed_x = lax.bitcast_convert_type(
             lax.bitcast_convert_type(x, jnp.uint32) ^ ((signs << np.uint32(31 - k)) & _SIGN), jnp.float32)
-        term = _field_to_f32(mags[k >> 2], 8 * (k & 3), 0xFF) * signed_x
+        if IQ2_MAGS == "bf16":
+            pair = mags[k >> 1]
+            mag = lax.bitcast_convert_type(pair << np.uint32(16) if k % 2 == 0 else pair & _HIGH_HALF, jnp.float32)
+        else:
+            mag = _field_to_f32(mags[k >> 2], 8 * (k & 3), 0xFF)
+        term = mag * signed_x
         acc = term if acc is None else acc + term
     d = _f16_value(d_bytes)[:, :, None, None]
     scale = d * ((aux >> 28).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)  # [BO, NB, 8, 1]
