@@ -112,8 +112,7 @@ def kernel_ab() -> dict:
 
     return {"kernel_prefetch": sorted(t.name for t in triton_matvec.PREFETCH),
             "kernel_splits": {t.name: v for t, v in triton_matvec.SPLITS.items()},
-            "measured_tiles": len(triton_matvec.MEASURED_TILES), "planar_q2k": planar.regrouped(T.Q2_K),
-            "iq2_mags": triton_matvec.IQ2_MAGS}
+            "measured_tiles": len(triton_matvec.MEASURED_TILES), "planar_q2k": planar.regrouped(T.Q2_K)}
 
 
 def _machine() -> str:

@@ -293,30 +293,26 @@ def _field_to_f32(word, shift: int, mask: int):
     return lax.bitcast_convert_type(((word >> np.uint32(shift)) & np.uint32(mask)) | _MAGIC_U, jnp.float32) - _MAGIC_F
 
 
-# JDS41_IQ2_MAGS (read at import; an A/B switch while they are measured): "bytes": two lookups a grid entry of its
-# magnitude bytes and one of the sign bits; "popc": the sign bits computed (parity by population count), so two
-# lookups an octet; "grid": one lookup of the entry's 16-bit packed codes, each magnitude 8 + 16.5c + 0.5c^2 of its
-# code c (two FMAs, exact), and computed signs. On the H200 a bf16 table (four lookups an octet, one op a value)
-# took 40-44 us a call against 19-27 for "bytes" (results/bench_kernels_iq2_mags_*.jsonl): the lookups bound it.
-IQ2_MAGS = os.environ.get("JDS41_IQ2_MAGS", "grid")
+def _iq2xxs_kernel_table() -> np.ndarray:
+    """The IQ2_XXS step's one lookup table, uint32: words 2g and 2g + 1 hold grid entry g's magnitudes (8, 25 or 43)
+    as bytes, values 0-3 and 4-7; word SIGNS_AT + i holds sign index i's 8 sign bits, i | parity(i) << 7.
 
-
-def _iq2xxs_kernel_table() -> tuple[np.ndarray, int]:
-    """The IQ2_XXS step's lookup table, uint32, and where its sign words start. "grid": word g holds grid entry g's
-    packed 2-bit codes (IQ2XXS_PACKED_GRID); otherwise words 2g and 2g + 1 hold its magnitudes (8, 25 or 43) as
-    bytes, values 0-3 and 4-7. Word SIGNS_AT + i holds sign index i's 8 sign bits, i | parity(i) << 7."""
+    Three other forms lost on the H200 (twenty-fifth session; us a call net of the loop in bench_kernels, decode of
+    V4.1 4 layers in tok/s, the same bits in each): a bf16 table, four lookups an octet and one op a value, 40-44 us
+    against 19-27, decode 616/629 against 695/673 (results/bench_kernels_iq2_mags_*_h200.jsonl,
+    bench_decode_iq2mags25); sign bits computed by population count (two lookups an octet, ~4 more ops), and the
+    packed 2-bit codes with magnitudes by two FMAs (one lookup an octet, ~2 more ops a value), decode 647 and
+    640/647 against 688/668 (bench_decode_iq2var25, bench_kernels_iq2_variants_*). So the step is bound by its
+    lookups and its arithmetic together: neither can grow to shrink the other."""
     codes = (IQ2XXS_PACKED_GRID[:, None].astype(np.uint32) >> (2 * np.arange(8, dtype=np.uint32))) & 3
-    if IQ2_MAGS == "grid":
-        words = IQ2XXS_PACKED_GRID.astype(np.uint32)
-    else:
-        mags = np.array([8, 25, 43], np.uint32)[codes].reshape(256, 2, 4)
-        words = (mags << (8 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32).reshape(512)
+    mags = np.array([8, 25, 43], np.uint32)[codes].reshape(256, 2, 4)
+    words = (mags << (8 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32).reshape(512)
     i = np.arange(128, dtype=np.uint32)
     parity = np.array([bin(int(v)).count("1") & 1 for v in i], np.uint32)
-    return np.concatenate([words, i | (parity << 7)]).astype(np.uint32), len(words)
+    return np.concatenate([words, i | (parity << 7)]).astype(np.uint32)
 
 
-IQ2XXS_KERNEL_TABLE, _IQ2_SIGNS_AT = _iq2xxs_kernel_table()
+IQ2XXS_KERNEL_TABLE, _IQ2_SIGNS_AT = _iq2xxs_kernel_table(), 512
 
 
 def _load_iq2_xxs(w_ref, rows, b, *, planar: bool, n_in: int):
@@ -350,27 +346,15 @@ def _dot_iq2_xxs(loaded, x_ref, kx, b, *, tbl_ref):
     aux = aux_bytes[0].astype(jnp.uint32)
     for byte in range(1, 4):
         aux = aux | (aux_bytes[byte].astype(jnp.uint32) << (8 * byte))
-    if IQ2_MAGS == "grid":
-        mags = tbl_ref[idx]  # the entry's 8 codes, 2 bits each
-    else:
-        mags = (tbl_ref[2 * idx], tbl_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
-    s7 = ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)
-    if IQ2_MAGS == "bytes":
-        signs = tbl_ref[_IQ2_SIGNS_AT + s7]
-    else:  # ggml's sign byte: the 7 stored bits and an even-parity bit 7
-        signs = (s7 | ((lax.population_count(s7) & 1) << 7)).astype(jnp.uint32)
+    mags = (tbl_ref[2 * idx], tbl_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
+    signs = tbl_ref[_IQ2_SIGNS_AT + ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)]
     x_at = b[:, None, None] * 256 + g[0] * 4 + j[0]  # [NB, 8, 4]: octet o's value 0 in the permuted x
     acc = None
     for k in range(8):
         x = x_ref[kx, x_at + 32 * k][None]  # [1, NB, 8, 4]
         signed_x = lax.bitcast_convert_type(
             lax.bitcast_convert_type(x, jnp.uint32) ^ ((signs << np.uint32(31 - k)) & _SIGN), jnp.float32)
-        if IQ2_MAGS == "grid":
-            c = _field_to_f32(mags, 2 * k, 3)
-            mag = c * (c * np.float32(0.5) + np.float32(16.5)) + np.float32(8)  # 8, 25, 43 for c = 0, 1, 2
-        else:
-            mag = _field_to_f32(mags[k >> 2], 8 * (k & 3), 0xFF)
-        term = mag * signed_x
+        term = _field_to_f32(mags[k >> 2], 8 * (k & 3), 0xFF) * signed_x
         acc = term if acc is None else acc + term
     d = _f16_value(d_bytes)[:, :, None, None]
     scale = d * ((aux >> 28).astype(jnp.float32) + np.float32(0.5)) * np.float32(0.25)  # [BO, NB, 8, 1]
