@@ -10,7 +10,7 @@ and Q8_0 rows at ~900 GB/s. A kernel over Q8_0 rows in the GGML layout has to lo
 Owns `rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout) -> f32 [K, O]`: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i]
 over raw rows `raw[E, O, row_bytes]` (a whole stack, or the K rows a tier gathered) of one of KINDS: MXFP4 in the
 GGML layout (as in the file) or the planar one (what an engine with planar weights holds in every tier), Q8_0
-planar, IQ2_XXS in either layout, Q2_K as in the file; `supported(...)`, which says when it applies;
+planar, IQ2_XXS and Q2_K in either layout; `supported(...)`, which says when it applies;
 `default_tile`, the tile rule; and `planar_weights()`, whether an engine regroups its resident weights for it.
 `qtensor.qmatvec_experts` and `qtensor.qmatvec` call it on CUDA only (`lax.platform_dependent`); every other
 platform and format, and the `rows_as_dots` / `act_round` products, keep the XLA spelling, which stays the
@@ -67,10 +67,11 @@ _BACKEND = importlib.util.find_spec("jax.experimental.pallas.triton") is not Non
 # the 32-value formats, whose tiles were measured so on the H200) of the formats the kernel decodes
 BLOCKS = {T.MXFP4: (32, 17, 16), T.Q8_0: (32, 34, 32), T.IQ2_XXS: (256, 66, 66), T.Q2_K: (256, 84, 84)}
 # (qtype, layout) pairs the kernel reads: Q8_0 only planar (its GGML rows, loaded byte by byte, ran at a quarter of
-# XLA's speed), IQ2_XXS in both layouts (an engine with planar weights regroups it too), Q2_K as in the file (V4.1's
-# down product [5120, 2304]: 9 blocks a row, so a step holds one block; 49 us against XLA's 86 on the H200,
-# results/bench_kernels_q2k_iq2tiles_h200.jsonl). JDS41_Q2K_KERNEL=0 leaves Q2_K to XLA (read at import: for A/B
-# benchmarks).
+# XLA's speed), IQ2_XXS in both layouts (an engine with planar weights regroups it too), Q2_K in both (V4.1's down
+# product [5120, 2304]: 9 blocks a row, so a step holds one block). Q2_K's GGML rows give a code's byte 4 sub-blocks
+# and were loaded one byte a value: 43.2 us a call net of the loop against XLA's 67.2; planar rows (a sub-block one
+# 4-byte word) 19.8 (results/bench_kernels_q2k_planar_h200.jsonl), and 51 -> 30 us a call in the decode profile
+# (profile_decode_q2k25). JDS41_Q2K_KERNEL=0 leaves Q2_K to XLA (read at import: for A/B benchmarks).
 Q2K_KERNEL = os.environ.get("JDS41_Q2K_KERNEL", "1") != "0"
 KINDS = frozenset({(T.MXFP4, "ggml"), (T.MXFP4, "planar"), (T.Q8_0, "planar"), (T.IQ2_XXS, "ggml"),
                    (T.IQ2_XXS, "planar")} | ({(T.Q2_K, "ggml"), (T.Q2_K, "planar")} if Q2K_KERNEL else set()))
