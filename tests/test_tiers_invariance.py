@@ -113,3 +113,28 @@ def test_ssd_read_error_fails_the_request_cleanly(synthetic_model):
             tiered.session().feed([10, 11, 12])
     # the plain engine is untouched
     assert engine.session().feed([10, 11, 12]).shape == (engine.vocab_size,)
+
+
+def test_a_piece_of_the_k_experts_gives_the_bits_of_the_whole_product_on_the_cpu():
+    """A tier computes its share of a layer's K experts as a product over fewer rows; on XLA:CPU that product must
+    sum each row in the order of the whole (the plain sum of a row's block partials did not: its order followed the
+    product's shape from 8 blocks a row on)."""
+    import jax
+    import jax.numpy as jnp
+    from gguf import GGMLQuantizationType as T
+
+    from jds41.quant import QTensor, qmatvec_experts
+    from jds41.quant.random_blocks import random_quantized
+
+    rng = np.random.default_rng(7)
+    for n_out, n_in in ((256, 256), (64, 96 * 32), (128, 5120)):  # 8, 96 and 160 blocks a row (96: odd halves)
+        stack = QTensor.from_raw(random_quantized(rng, T.Q8_0, (8, n_out, n_in)), T.Q8_0, (8, n_out, n_in))
+        x = jnp.asarray(rng.standard_normal(n_in), jnp.float32)
+        xs = jnp.asarray(rng.standard_normal((6, n_in)), jnp.float32)
+        idx = jnp.asarray([3, 1, 7, 0, 5, 2], jnp.int32)
+        product = jax.jit(lambda x, i, w=stack: qmatvec_experts(x, w, i))
+        whole, whole_rows = np.asarray(product(x, idx)), np.asarray(product(xs, idx))
+        for start, size in ((0, 1), (3, 1), (1, 2), (2, 4)):
+            piece = slice(start, start + size)
+            np.testing.assert_array_equal(np.asarray(product(x, idx[piece])), whole[piece])
+            np.testing.assert_array_equal(np.asarray(product(xs[piece], idx[piece])), whole_rows[piece])

@@ -1,12 +1,11 @@
 """The Triton kernel of the one-token quantized products (jds41/quant/triton_matvec.py), the decode fast path on CUDA.
 
 On every machine: the kernel, run in Pallas' interpreter, against a float64 re-derivation from gguf-py's
-dequantizer, for every format and row layout it takes (MXFP4 as in the file and planar, Q8_0 planar, IQ2_XXS as in
-the file; x shared by the K experts and one x per expert; clamped indices; a tile that is not the
-default; every MXFP4 nibble code, subnormal-free); and the wiring: lowered for CUDA, the products of
+dequantizer, for every format and row layout it takes (MXFP4, IQ2_XXS and Q2_K as in the file and planar, Q8_0
+planar; x shared by the K experts and one x per expert; clamped indices; a tile that is not the default; a row split
+in four; every MXFP4 nibble code, subnormal-free); and the wiring: lowered for CUDA, the products of
 `qmatvec_experts` and `qmatvec` are the Triton custom call, lowered for the CPU they are not, and Q8_0 rows in the
-file's layout, Q2_K rows, stacks past 2^31 bytes and llama.cpp's activation rounding keep the XLA spelling
-everywhere.
+file's layout, stacks past 2^31 bytes and llama.cpp's activation rounding keep the XLA spelling everywhere.
 On a GPU (marker `gpu`): the compiled kernel at the V4-Flash and V4.1 shapes against the XLA spelling it replaces,
 and a vmapped kernel (row-batched decode) bit for bit against one call per row.
 """

@@ -1,4 +1,4 @@
-"""The planar row layout of Q8_0, MXFP4 and IQ2_XXS weights: every block's quant bytes first, then every scale.
+"""The planar row layout of Q8_0, MXFP4, IQ2_XXS and Q2_K weights: every block's quant bytes first, then every scale.
 
 Why (experiments/README.md, "Where the step's time goes"): a GGML row interleaves a block's scale with its quants
 (Q8_0: 2 + 32 bytes, MXFP4: 1 + 16), so no block starts on a 4-byte boundary. XLA:GPU read Q8_0 rows at ~900 GB/s

@@ -13,7 +13,8 @@ gathers, so an MXFP4/IQ decode left outside it was written out as a full f32 wei
 tree reduction rewriter splits reductions wider than 32 into a reduce-window that again materializes its input.
 So on CPU `_row_dot` sums each 32-value block as one two-operand (variadic) reduce over 16 lanes: neither pass
 touches a variadic reduce, XLA's loop emitter fuses the whole decode into it, and only `[.., out, in/32]` partial
-sums reach memory. Other platforms get the plain sum, which XLA:GPU fuses and runs 3-5x faster there (H200).
+sums reach memory; a second variadic reduce adds those in an order that does not depend on the product's shape.
+Other platforms get the plain sum, which XLA:GPU fuses and runs 3-5x faster there (H200).
 tests/test_quant_hlo.py checks the compiled HLO on whichever backend runs it.
 
 On CUDA the one-token products (`qmatvec`, `qmatvec_experts`) of the formats and layouts the Triton kernel takes
@@ -198,7 +199,14 @@ def _row_dot_xla_cpu(p: jax.Array) -> jax.Array:
     p = p.reshape(*p.shape[:-1], n // 32, 2, 16)
     zero = np.float32(0)
     lo, hi = lax.reduce((p[..., 0, :], p[..., 1, :]), (zero, zero), _add_pairs, (p.ndim - 2,))
-    return jnp.sum(lo + hi, axis=-1)  # [.., in/32] partials: small enough for any reduce strategy
+    partial = lo + hi  # [.., in/32]
+    # The partials are summed by a variadic reduce too (even ones, odd ones, then the two): a plain `jnp.sum` over
+    # them took an order that depended on the whole product's shape, so a tier's piece of a layer's K experts
+    # ([1, 256, 256] Q8_0 rows) did not give the bits of the same rows in the whole [6, 256, 256] product.
+    if partial.shape[-1] % 2:
+        partial = jnp.concatenate([partial, jnp.zeros_like(partial[..., :1])], axis=-1)
+    even, odd = lax.reduce((partial[..., 0::2], partial[..., 1::2]), (zero, zero), _add_pairs, (partial.ndim - 1,))
+    return even + odd
 
 
 def _row_dot(w_RI: jax.Array, x_RI: jax.Array) -> jax.Array:
