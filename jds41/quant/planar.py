@@ -56,12 +56,17 @@ _CRUMBS = np.array([0, 2, 4, 6], np.uint8)  # the bit offsets of a byte's four 2
 def _q2k_values(scales, quants):
     """Planar Q2_K fields -> f32[..., 256]: 20 scale bytes (16 scale|min, d, dmin), 64 bytes of codes in value
     order."""
-    codes = (quants[..., :, None] >> _CRUMBS) & 3  # [..., 64, 4]: value 4t + u
+    codes = _unpack_crumbs(quants)  # [..., 64, 4]: value 4t + u
     return q2_k_values(scales[..., :16], codes.reshape(*codes.shape[:-2], 256), scales[..., 16:18],
                        scales[..., 18:20])
 
 
 _VALUES = {T.Q8_0: q8_0_values, T.MXFP4: mxfp4_values, T.IQ2_XXS: iq2_xxs_values, T.Q2_K: _q2k_values}
+
+
+def _unpack_crumbs(packed):
+    """bytes [..., n] -> their 2-bit codes [..., n, 4], code u from bits 2u (the inverse of `_pack_crumbs`)."""
+    return (packed[..., :, None] >> _CRUMBS) & 3
 
 
 def _pack_crumbs(codes, xp):
@@ -88,7 +93,7 @@ def _join_block(scales, quants, qtype, xp):
     if qtype != T.Q2_K:
         return xp.concatenate([scales, quants], axis=-1)
     lead = quants.shape[:-1]
-    codes = ((quants[..., :, None] >> _CRUMBS) & 3).reshape(*lead, 2, 4, 32)  # [..., c, s, l]
+    codes = _unpack_crumbs(quants).reshape(*lead, 2, 4, 32)  # [..., c, s, l]
     qs = _pack_crumbs(codes.swapaxes(-1, -2), xp).reshape(*lead, 64)  # byte c*32 + l, value s at bits 2s
     return xp.concatenate([scales[..., :16], qs, scales[..., 16:]], axis=-1)
 

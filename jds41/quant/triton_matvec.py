@@ -377,6 +377,15 @@ def _load_q2_k(w_ref, rows, b):
     return w_ref[r4, q_at], sc, _f16_bytes(w_ref, rows[:, None], d_at), _f16_bytes(w_ref, rows[:, None], d_at + 2)
 
 
+def _q2_k_block_sums(qx, xs, sc_bytes, d_bytes, dmin_bytes):
+    """A step's [BO] sums from its per-sub-block sums of q*x [BO, NB, 16] and of x [1, NB, 16]: per block
+    d * sum(scale * qx) - dmin * sum(min * xs) (both layouts' Q2_K steps)."""
+    sc = sc_bytes.astype(jnp.int32)
+    scaled = jnp.sum(_small_int_to_f32(sc & 15) * qx, axis=2)
+    mins = jnp.sum(_small_int_to_f32(sc >> 4) * xs, axis=2)
+    return jnp.sum(_f16_value(d_bytes) * scaled - _f16_value(dmin_bytes) * mins, axis=1)
+
+
 def _dot_q2_k(loaded, x_ref, kx, b):
     """An 84-byte block: 16 bytes of (4-bit scale | 4-bit min << 4) for 16 sub-blocks of 16, 64 bytes of 2-bit
     quants (value c*128 + s*32 + l at bits 2s of byte c*32 + l), f16 d, f16 dmin. Per sub-block the sum of q*x
@@ -387,10 +396,7 @@ def _dot_q2_k(loaded, x_ref, kx, b):
     x = x_ref[kx, b[:, None, None] * 256 + sb[0] * 16 + v[0]]  # [NB, 16, 16]
     qx = jnp.sum(q * x[None], axis=3)  # [BO, NB, 16]
     xs = jnp.sum(x, axis=2)[None]  # [1, NB, 16]
-    sc = sc_bytes.astype(jnp.int32)
-    scaled = jnp.sum(_small_int_to_f32(sc & 15) * qx, axis=2)
-    mins = jnp.sum(_small_int_to_f32(sc >> 4) * xs, axis=2)
-    return jnp.sum(_f16_value(d_bytes) * scaled - _f16_value(dmin_bytes) * mins, axis=1)
+    return _q2_k_block_sums(qx, xs, sc_bytes, d_bytes, dmin_bytes)
 
 
 def _load_q2_k_planar(w_ref, rows, b, *, n_in: int):
@@ -418,10 +424,7 @@ def _dot_q2_k_planar(loaded, x_ref, kx, b):
         term = _field_to_f32(codes, 2 * u, 3) * x
         qx_acc, x_acc = (term, x) if u == 0 else (qx_acc + term, x_acc + x)
     qx, xs = jnp.sum(qx_acc, axis=3), jnp.sum(x_acc, axis=3)  # [BO, NB, 16], [1, NB, 16]
-    sc = sc_bytes.astype(jnp.int32)
-    scaled = jnp.sum(_small_int_to_f32(sc & 15) * qx, axis=2)
-    mins = jnp.sum(_small_int_to_f32(sc >> 4) * xs, axis=2)
-    return jnp.sum(_f16_value(d_bytes) * scaled - _f16_value(dmin_bytes) * mins, axis=1)
+    return _q2_k_block_sums(qx, xs, sc_bytes, d_bytes, dmin_bytes)
 
 
 def _crumb_major(x_XI: jax.Array) -> jax.Array:
