@@ -325,7 +325,7 @@ def _load_iq2_xxs(w_ref, rows, b, *, planar: bool, n_in: int):
     return idx, aux, _f16_bytes(w_ref, rows[:, None], d_at[None, :])
 
 
-def _dot_iq2_xxs(loaded, x_ref, kx, b, *, tbl_ref):
+def _dot_iq2_xxs(loaded, x_ref, kx, b, tbl_ref):
     """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
     4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o = 4g + j
     (group g, slot j) holds 8 values: magnitudes from the grid entry of its index byte, signs from its sign index
@@ -433,39 +433,79 @@ def _crumb_major(x_XI: jax.Array) -> jax.Array:
     return x_XI.reshape(X, n_in // 256, 64, 4).swapaxes(2, 3).reshape(X, n_in)
 
 
-def _kernel(idx_ref, x_ref, w_ref, *rest, qtype, planar: bool, n_in: int, n_out: int, bo: int, nb: int,
-            steps: int, x_per_row: bool):
+def _steps(qtype, planar: bool, n_in: int):
+    """(load, dot) of a format's f32 step (the comment above `_load_mxfp4`)."""
+    return {
+        T.MXFP4: (functools.partial(_load_mxfp4, planar=planar, n_in=n_in), _dot_mxfp4),
+        T.Q8_0: (functools.partial(_load_q8_0, n_in=n_in), _dot_q8_0),
+        T.IQ2_XXS: (functools.partial(_load_iq2_xxs, planar=planar, n_in=n_in), _dot_iq2_xxs),
+        T.Q2_K: (functools.partial(_load_q2_k_planar, n_in=n_in), _dot_q2_k_planar) if planar
+        else (_load_q2_k, _dot_q2_k)}[qtype]
+
+
+def _kernel(idx_ref, x_ref, w_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: int, nb: int, steps: int,
+            x_per_row: bool):
     """One program: BO rows of one selected matrix over `steps` steps of NB blocks (its split's share of the row)
-    summed into one f32 accumulator per row. For PREFETCH formats step t + 1's bytes are loaded before step t's
-    arithmetic and carried in the loop (register double buffering: Triton does not pipeline loads that feed no
-    dot), so a program keeps a step's loads in flight while it computes; the last step's arithmetic follows the
-    loop. The order of the sums is the same either way."""
-    tbl_ref, o_ref = rest if qtype == T.IQ2_XXS else (None, rest[0])
+    summed into one f32 accumulator per row. `rest`: the step's other inputs (tables, x's scales), then the output.
+    With `prefetch` step t + 1's bytes are loaded before step t's arithmetic and carried in the loop (register
+    double buffering: Triton does not pipeline loads that feed no dot), so a program keeps a step's loads in flight
+    while it computes; the last step's arithmetic follows the loop. The order of the sums is the same either way."""
+    extra, o_ref = rest[:-1], rest[-1]
     k, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kx = k if x_per_row else jnp.int32(0)
     rows = idx_ref[k] * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, R] stack
-    load, dot = {
-        T.MXFP4: (functools.partial(_load_mxfp4, planar=planar, n_in=n_in), _dot_mxfp4),
-        T.Q8_0: (functools.partial(_load_q8_0, n_in=n_in), _dot_q8_0),
-        T.IQ2_XXS: (functools.partial(_load_iq2_xxs, planar=planar, n_in=n_in),
-                    functools.partial(_dot_iq2_xxs, tbl_ref=tbl_ref)),
-        T.Q2_K: (functools.partial(_load_q2_k_planar, n_in=n_in), _dot_q2_k_planar) if planar
-        else (_load_q2_k, _dot_q2_k)}[qtype]
     blocks = lambda t: (split * steps + t) * nb + jnp.arange(nb, dtype=jnp.int32)  # noqa: E731
 
-    if qtype in PREFETCH:
+    if prefetch:
         def step(t, carry):
             acc_O, loaded = carry
             ahead = load(w_ref, rows, blocks(t + 1))
-            return acc_O + dot(loaded, x_ref, kx, blocks(t)), ahead
+            return acc_O + dot(loaded, x_ref, kx, blocks(t), *extra), ahead
 
         acc_O, last = lax.fori_loop(0, steps - 1, step, (jnp.zeros((bo,), jnp.float32), load(w_ref, rows, blocks(0))))
-        o_ref[0, 0, :] = acc_O + dot(last, x_ref, kx, blocks(steps - 1))
+        o_ref[0, 0, :] = acc_O + dot(last, x_ref, kx, blocks(steps - 1), *extra)
     else:
         def step(t, acc_O):
-            return acc_O + dot(load(w_ref, rows, blocks(t)), x_ref, kx, blocks(t))
+            return acc_O + dot(load(w_ref, rows, blocks(t)), x_ref, kx, blocks(t), *extra)
 
         o_ref[0, 0, :] = lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32))
+
+
+def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, steps: int, interpret: bool, name: str):
+    """The kernel over raw rows `raw_EOR` [E, O, R] for K = len(idx_K) selections (clamped to the stack), x [1 or
+    K, ...] (in the form the step reads), `extra` the step's other inputs; tile (BO, NB, warps, splits), `steps`
+    steps a program. -> f32 [K, O], the splits' partial sums added in split order."""
+    E, n_out, R = raw_EOR.shape
+    K = idx_K.shape[0]
+    bo, nb, warps, splits = tile
+    kernel = functools.partial(_kernel, load=load, dot=dot, prefetch=prefetch, n_out=n_out, bo=bo, nb=nb,
+                               steps=steps, x_per_row=x_XI.shape[0] > 1)
+    params = None
+    if interpret:  # Interpreted, the kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two
+        # calls on one weight could then share its decoded loads (CSE) and fuse, and so round, by their surroundings.
+        # The barrier keeps each call's arithmetic its own, as the compiled Triton kernel's is on the GPU.
+        x_XI, raw_EOR = lax.optimization_barrier((x_XI, raw_EOR))
+    else:
+        from jax.experimental.pallas import triton as plgpu
+
+        params = plgpu.CompilerParams(num_warps=warps, num_stages=2)
+    parts = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((splits, K, n_out), jnp.float32), grid=(K, n_out // bo, splits),
+        out_specs=pl.BlockSpec((1, 1, bo), lambda k, j, s: (s, k, j)), compiler_params=params, interpret=interpret,
+        name=name,
+    )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI, raw_EOR.reshape(E * n_out, R), *extra)
+    # The splits' partial sums in split order, one add at a time: XLA keeps the order of explicit float adds
+    # wherever it fuses them, as it need not for a reduction over the split axis.
+    return functools.reduce(operator.add, (parts[s] for s in range(1, splits)), parts[0])
+
+
+def check_tile(qtype, n_out: int, n_in: int, tile) -> tuple[int, int, int, int]:
+    """`tile` (BO, NB, warps[, splits = 1]) as four, checked against the shape."""
+    values = BLOCKS[qtype][0]
+    bo, nb, warps, splits = (*tile, 1)[:4]
+    if n_out % bo or (n_in // values) % (nb * splits):
+        raise ValueError(f"tile ({bo}, {nb}, splits {splits}) does not divide {n_out} rows of {n_in // values} blocks")
+    return bo, nb, warps, splits
 
 
 @functools.partial(jax.jit, static_argnames=("qtype", "layout", "interpret", "tile"))
@@ -486,30 +526,14 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
         raise ValueError(f"rows_matvec: rows of {R} bytes for {n_in} inputs, x with {X} rows for {K} indices")
     if E * n_out * R > MAX_STACK_BYTES:
         raise ValueError(f"rows_matvec: a stack of {E * n_out * R} bytes needs 64-bit offsets")
-    bo, nb, warps, splits = (*tile, 1)[:4] if tile else default_tile(qtype, K, n_out, n_in)
-    if n_out % bo or (n_in // values) % (nb * splits):
-        raise ValueError(f"tile ({bo}, {nb}, splits {splits}) does not divide {n_out} rows of {n_in // values} blocks")
-    kernel = functools.partial(_kernel, qtype=qtype, planar=layout == "planar", n_in=n_in, n_out=n_out, bo=bo, nb=nb,
-                               steps=n_in // (nb * values * splits), x_per_row=X > 1)
-    params = None
-    if interpret:  # Interpreted, the kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two
-        # calls on one weight could then share its decoded loads (CSE) and fuse, and so round, by their surroundings.
-        # The barrier keeps each call's arithmetic its own, as the compiled Triton kernel's is on the GPU.
-        x_XI, raw_EOR = lax.optimization_barrier((x_XI, raw_EOR))
-    else:
-        from jax.experimental.pallas import triton as plgpu
-
-        params = plgpu.CompilerParams(num_warps=warps, num_stages=2)
-    tables = (jnp.asarray(IQ2XXS_KERNEL_TABLE),) if qtype == T.IQ2_XXS else ()
+    tile = tile or default_tile(qtype, K, n_out, n_in)
+    bo, nb, warps, splits = check_tile(qtype, n_out, n_in, tile)
+    extra = (jnp.asarray(IQ2XXS_KERNEL_TABLE),) if qtype == T.IQ2_XXS else ()
     if qtype == T.IQ2_XXS:
         x_XI = _octet_major(x_XI)
     elif qtype == T.Q2_K and layout == "planar":
         x_XI = _crumb_major(x_XI)
-    parts = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((splits, K, n_out), jnp.float32), grid=(K, n_out // bo, splits),
-        out_specs=pl.BlockSpec((1, 1, bo), lambda k, j, s: (s, k, j)), compiler_params=params, interpret=interpret,
-        name=f"rows_matvec_{qtype.name.lower()}_{layout}",
-    )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI.astype(jnp.float32), raw_EOR.reshape(E * n_out, R), *tables)
-    # The splits' partial sums in split order, one add at a time: XLA keeps the order of explicit float adds
-    # wherever it fuses them, as it need not for a reduction over the split axis.
-    return functools.reduce(operator.add, (parts[s] for s in range(1, splits)), parts[0])
+    load, dot = _steps(qtype, layout == "planar", n_in)
+    return launch(x_XI.astype(jnp.float32), raw_EOR, idx_K, extra, load=load, dot=dot, prefetch=qtype in PREFETCH,
+                  tile=(bo, nb, warps, splits), steps=n_in // (nb * values * splits), interpret=interpret,
+                  name=f"rows_matvec_{qtype.name.lower()}_{layout}")
