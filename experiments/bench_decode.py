@@ -399,8 +399,8 @@ def _engram_host(engine) -> str | None:
 
 
 def run_profile(path: str, name: str, args, usage_path: str | None, stream: list[int], prompt: list[int],
-                prof: str | None = None, loop: str = "device", warm_tokens: tuple[list[int], list[int]] | None = None
-                ) -> dict:
+                prof: str | None = None, loop: str = "device", warm_tokens: tuple[list[int], list[int]] | None = None,
+                numerics: str = "jds41") -> dict:
     """One profile: time to ready, prefill, then decode over `stream` in the device loop (`loop="device"`) or one
     jitted step and host round trip per token (`"step"`, the reference path). `prof` overrides the profile file
     (ladder rungs); `usage_path` None keeps the profile's own placement source. `warm_tokens` (prompt, stream)
@@ -413,7 +413,7 @@ def run_profile(path: str, name: str, args, usage_path: str | None, stream: list
         prof = profile_json(name, args.arch, args.quant, args.workdir)
     t0 = time.perf_counter()
     engine = Engine.open(path, max_ctx=len(prompt) + len(stream) + 64, profile=prof,
-                         usage=usage_path if prof is not None else None)
+                         usage=usage_path if prof is not None else None, numerics=numerics)
 
     def decode(session, tokens=stream):
         if loop == "device":
@@ -534,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="/tmp/jds41-bench")
     ap.add_argument("--ladder", action="store_true", help="run the feature ladder instead of --profiles")
     ap.add_argument("--lean-margin", type=float, default=0.05, help="router-lean margin of the ladder's last rung")
+    ap.add_argument("--numerics", default="jds41",
+                    help="comma-separated Engine numerics, each run per profile in turn (jds41, int8: jds41/engine.py)")
     ap.add_argument("--out", default=None, help="append JSON lines here (also printed)")
     a = ap.parse_args(argv)
     os.makedirs(a.workdir, exist_ok=True)
@@ -570,12 +572,14 @@ def main(argv: list[str] | None = None) -> int:
                  usage_path if ranked else None, loop) for rung, fields, ranked, loop in LADDER]
     else:
         runs = [(name, None, usage_path, "device") for name in a.profiles.split(",") if name]  # none: write only
-    ref = None
+    refs = {}
     for name, prof, usage, loop in runs:
-        row = {**common, **run_profile(path, name, a, usage, stream, prompt, prof, loop, warm_tokens)}
-        ref = ref or row["predictions_sha256"]
-        row["same_predictions_as_first"] = row["predictions_sha256"] == ref
-        emit(row, a.out)
+        for numerics in a.numerics.split(","):
+            row = {**common, "numerics": numerics,
+                   **run_profile(path, name, a, usage, stream, prompt, prof, loop, warm_tokens, numerics)}
+            ref = refs.setdefault(numerics, row["predictions_sha256"])
+            row["same_predictions_as_first"] = row["predictions_sha256"] == ref  # the first row of its numerics
+            emit(row, a.out)
     return 0
 
 

@@ -12,7 +12,8 @@ the rows come from HBM, not from the 60 MB L2 (one call reads 27 MB; 50 calls wa
 stack). Each row also has the loop's own cost a call without a product ("loop_us") and the time without it
 ("net_us", "net_gb_per_s"). `--tiles` also sweeps the kernel's tile (rows per program, blocks per step, the
 `--warps` counts and the `--splits` of a row; `--rows` and `--blocks` narrow the first two) on every shape but
-"dense".
+"dense". The two-bit formats also run the "int8" numerics' dp4a kernel (path "int8", quant/triton_int8.py,
+x rounded in the call), whose distance from XLA is the rounding's (its tiles swept with the f32 kernel's).
 CPU runs check the code path only (the kernel then runs in Pallas' interpreter on a shrunk shape).
 """
 
@@ -32,9 +33,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import BW, _commit, _machine, emit, kernel_ab  # noqa: E402  (sibling script, run as a file)
 
 from jds41.quant import row_bytes  # noqa: E402
+from jds41.quant.int8_act import round_int8  # noqa: E402
 from jds41.quant.planar import PLANAR_TYPES, to_planar  # noqa: E402
 from jds41.quant.qtensor import xla_rows_matvec  # noqa: E402
 from jds41.quant.random_blocks import random_quantized  # noqa: E402
+from jds41.quant.triton_int8 import rows_matvec_int8  # noqa: E402
+from jds41.quant.triton_int8 import supported as int8_supported  # noqa: E402
 from jds41.quant.triton_matvec import BLOCKS, Q2K_KERNEL, default_tile, rows_matvec, supported  # noqa: E402
 
 # (name, type, experts in the stack, out, in, selected K, x rows): V4-Flash's routed gate/up and down (MXFP4), one
@@ -139,6 +143,7 @@ def main(argv=None) -> int:
         loop_s = _seconds(_loop(empty, a.reps, E, K), x, ggml, idx0) / a.reps
         paths = [("xla", lay, None) for lay in rows]
         paths += [("triton", lay, None) for lay in ("ggml", "planar") if supported(qtype, 0, lay)]
+        paths += [("int8", "planar", None)] if int8_supported(qtype, 0, "planar") else []
         if a.tiles and name != "dense":  # the layout the engine gives the kernel: planar where the kernel reads
             lay = "planar" if supported(qtype, 0, "planar") else "ggml"  # it, else the file's
             values, _, loaded = BLOCKS[qtype]
@@ -147,9 +152,14 @@ def main(argv=None) -> int:
                       for sp in a.splits.split(",") if n_out % t[0] == 0 and (n_in // values) % (t[1] * int(sp)) == 0
                       and t[1] * values >= 256 and t[0] * t[1] * loaded <= 16384
                       and (*t, int(w), int(sp)) != default_tile(qtype, K, n_out, n_in)]
+            paths += [("int8", "planar", t) for p, lay_, t in paths if p == "triton" and t is not None
+                      and int8_supported(qtype, 0, "planar")]
         for path, layout, tile in paths:
             if path == "xla":
                 product = lambda x, r, i, q=qtype, lay=layout: xla_rows_matvec(x, r, i, q, lay)
+            elif path == "int8":  # x rounded in the call (quant/int8_act.py): the gap to xla is the rounding's
+                product = lambda x, r, i, q=qtype, lay=layout, t=tile: rows_matvec_int8(
+                    *round_int8(x), r, i, q, lay, interpret=not gpu, tile=t)
             else:
                 product = lambda x, r, i, q=qtype, lay=layout, t=tile: rows_matvec(x, r, i, q, layout=lay,
                                                                                  interpret=not gpu, tile=t)
@@ -161,7 +171,7 @@ def main(argv=None) -> int:
                 emit({**common, **shape, "path": path, "layout": layout, "tile": tile,
                       "error": f"{type(e).__name__}: {e}"[:400]}, a.out)
                 continue
-            tile = tile or (default_tile(qtype, K, n_out, n_in) if path == "triton" else None)
+            tile = tile or (default_tile(qtype, K, n_out, n_in) if path != "xla" else None)
             net = max(s - loop_s, 1e-9)
             emit({**common, **shape, "path": path, "layout": layout, "tile": tile, "us": round(s * 1e6, 2),
                   "gb_per_s": round(nbytes / s / 1e9, 1), "hbm_share": round(nbytes / s / BW["hbm"], 4),

@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="/tmp/jds41-bench")
     ap.add_argument("--trace-dir", default=None, help="where jax.profiler writes (default: under --workdir)")
     ap.add_argument("--hlo-dump", default=None, help="dump the loop's optimized HLO here and attribute kernels")
+    ap.add_argument("--numerics", default="jds41", help="the Engine's numerics (jds41, int8: jds41/engine.py)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     _set_dump(a.hlo_dump)
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, a.prompt)]
     warm_stream, plain_stream = ([int(t) for t in rng.integers(0, cfg.vocab_size, a.decode + 1)] for _ in range(2))
     engine = Engine.open(path, max_ctx=2 * (a.prompt + a.decode) + 64, profile=prof,
-                         usage=usage if prof is not None else None)
+                         usage=usage if prof is not None else None, numerics=a.numerics)
     B.log("warming up (compiles the device loop)")
     warm = engine.session()
     warm.feed(warm_prompt)
@@ -312,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "triton_kernels": B.triton_kernels_on(),
            "planar_weights": B.planar_weights_on(), "q2k_kernel": B.q2k_kernel_on(), **B.kernel_ab(),
            "arch": a.arch, "size": a.size, "layers": a.layers, "quant": a.quant, "profile": a.profile,
+           "numerics": a.numerics,
            "decode_tokens": tokens, "unprofiled_tok_s": round(tokens / plain_s, 2),
            "profiled_tok_s": round(tokens / wall_s, 2), "events_from": source,
            "predictions_sha256": hashlib.sha256(np.asarray(preds, np.int32).tobytes()).hexdigest()[:16],

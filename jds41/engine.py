@@ -42,7 +42,9 @@ READ_AHEAD_THREAD = "jds41-engram-ahead"  # the name of the thread reading a pro
 DEFAULT_PREFILL_CHUNK = 4096  # tokens per layer-major prefill group (0 = token-major only, the reference path)
 # Engine.open(numerics=...) -> QTensor.act_round. "llamacpp" rounds activations before quantized products as
 # llama.cpp's CPU backend does (Q8_0 blocks for Q8_0/MXFP4 weights, F16 for F16), to compare against it tightly.
-NUMERICS = {"jds41": None, "llamacpp": "ggml-cpu"}
+# "int8" rounds the activation of the two-bit formats' products (IQ2_XXS, Q2_K) to int8 blocks of 32, as llama.cpp's
+# CUDA backend does, so the GPU computes them as integer dot products (quant/int8_act.py): faster, not the same bits.
+NUMERICS = {"jds41": None, "llamacpp": "ggml-cpu", "int8": "int8"}
 
 
 class RequestError(Jds41Error, ValueError):

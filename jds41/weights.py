@@ -70,10 +70,10 @@ def load_params(cfg: ModelConfig, model, act_round: str | None = None, raw: dict
                 with_routed_experts: bool = True) -> dict:
     """Every non-Engram tensor of `model` (a jds41.checkpoints GGUFModel) as the parameter pytree.
 
-    `act_round` goes to every QTensor: None (default) or "ggml-cpu" to round activations before quantized products
-    as llama.cpp's CPU backend does (jds41.quant.qtensor docstring). `raw` maps tensor names to bytes already read
-    (the O_DIRECT loader's buffers); others come from the file's memory map. Without `with_routed_experts` the
-    routed stacks are left out (the tier stores own them)."""
+    `act_round` goes to every QTensor: None (default), "ggml-cpu" to round activations before quantized products
+    as llama.cpp's CPU backend does, or "int8" (the two-bit formats read int8 activations; jds41.quant.qtensor
+    docstring). `raw` maps tensor names to bytes already read (the O_DIRECT loader's buffers); others come from the
+    file's memory map. Without `with_routed_experts` the routed stacks are left out (the tier stores own them)."""
     return _tree(cfg, lambda name, spec: _leaf(spec.kind, model.tensors[name].ggml_type, spec.shape, model, name,
                                                act_round, raw),
                  skip=lambda name: _draft_tensor(name) or (not with_routed_experts and name.endswith("_exps.weight")))

@@ -6,7 +6,9 @@ machines without a GPU, CI included). On the GPU box: `python -m pytest -q -m gp
 - one-row tier stacks (the XLA "bitcast across memory spaces" case seen on the H200);
 - the device decode loop against the step-per-token reference, with tiered experts;
 - with MXFP4 experts, and with V4.1's two-bit ones (IQ2_XXS gate/up, Q2_K down, both planar in every tier), all of
-  it through the Triton kernel (jds41/quant/triton_matvec.py).
+  it through the Triton kernel (jds41/quant/triton_matvec.py);
+- the "int8" numerics with the two-bit experts (their products the dp4a kernel, jds41/quant/triton_int8.py): tiered
+  logits equal resident ones, and the device loop gives the step loop's tokens.
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ def test_tiered_logits_equal_resident_on_the_gpu(synthetic_model, tmp_path, fetc
     prof = _profile(tmp_path, f"mixed-{fetch}", tier0_bytes=0.3, tier1_bytes=0.4, host_fetch=fetch)
     got = Engine.open(path, max_ctx=64, profile=prof).session().feed(TOKENS, all_logits=True)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fetch", ["all", "selected"])
+def test_int8_numerics_keeps_the_placement_and_loop_invariances_on_the_gpu(tmp_path, fetch):
+    path = _two_bit_model(tmp_path)
+    resident = Engine.open(path, max_ctx=64, numerics="int8")
+    want = resident.session().feed(TOKENS, all_logits=True)
+    prof = _profile(tmp_path, f"mixed-{fetch}", tier0_bytes=0.3, tier1_bytes=0.4, host_fetch=fetch)
+    tiered = Engine.open(path, max_ctx=64, profile=prof, numerics="int8")
+    np.testing.assert_array_equal(tiered.session().feed(TOKENS, all_logits=True), want)
+    for eng in (resident, tiered):
+        ref = list(eng.session().generate(TOKENS, 12, SamplingParams()))
+        s = eng.session()
+        assert greedy_generate(s, int(np.argmax(s.feed(TOKENS))), 12) == ref
 
 
 @pytest.mark.parametrize("profile", ["all-hbm", "ssd-heavy"])

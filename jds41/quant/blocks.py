@@ -212,19 +212,33 @@ _BIT_SHIFT = np.arange(8, dtype=np.uint32)
 _CODE_SHIFT = 2 * np.arange(8, dtype=np.uint16)
 
 
-def iq2_xxs_values(d, qs):
-    """IQ2_XXS values from a block's fields: d uint8[..., 2] (f16 bytes), qs uint8[..., 64] -> f32[..., 256]."""
+def _iq2_xxs_fields(qs):
+    """A block's 64 group bytes -> (scale nibbles s uint32[..., 8], magnitudes int32[..., 8, 4, 8] (8, 25, 43),
+    negative bool[..., 8, 4, 8]): group, slot, value."""
     groups = _lead(qs, 8, 2, 4)  # [..., 8, 2, 4]: group, word, byte
     aux1 = lax.bitcast_convert_type(groups[..., 1, :], jnp.uint32)  # [..., 8]
-    db = _f16(d)[..., None] * (np.float32(0.5) + (aux1 >> np.uint32(28)).astype(jnp.float32)) * np.float32(0.25)
     packed = jnp.take(jnp.asarray(IQ2XXS_PACKED_GRID), groups[..., 0, :].astype(jnp.int32))  # [..., 8, 4]
     code = ((packed[..., None] >> _CODE_SHIFT) & 3).astype(jnp.int32)  # [..., 8, 4, 8]
-    grid = (8 + 17 * code + (code >> 1)).astype(jnp.float32)  # 0, 1, 2 -> 8, 25, 43
     s7 = (aux1[..., None] >> _SIGN_SHIFT) & np.uint32(0x7F)  # [..., 8, 4]
     signs = s7 | ((lax.population_count(s7) & np.uint32(1)) << np.uint32(7))
     neg = ((signs[..., None] >> _BIT_SHIFT) & np.uint32(1)) != 0  # [..., 8, 4, 8]
-    x = db[..., None, None] * grid
+    return aux1 >> np.uint32(28), 8 + 17 * code + (code >> 1), neg  # codes 0, 1, 2 -> 8, 25, 43
+
+
+def iq2_xxs_values(d, qs):
+    """IQ2_XXS values from a block's fields: d uint8[..., 2] (f16 bytes), qs uint8[..., 64] -> f32[..., 256]."""
+    s, grid, neg = _iq2_xxs_fields(qs)
+    db = _f16(d)[..., None] * (np.float32(0.5) + s.astype(jnp.float32)) * np.float32(0.25)
+    x = db[..., None, None] * grid.astype(jnp.float32)
     return jnp.where(neg, -x, x).reshape(*qs.shape[:-1], 256)
+
+
+def iq2_xxs_integers(qs):
+    """A block's 64 group bytes -> (signed grid values int32[..., 8, 32] (+-8, 25, 43), group scales 2s + 1
+    int32[..., 8]): value = d * (2s + 1) / 8 * signed grid value, the integers of `iq2_xxs_values`."""
+    s, grid, neg = _iq2_xxs_fields(qs)
+    signed = jnp.where(neg, -grid, grid)
+    return signed.reshape(*signed.shape[:-2], 32), (2 * s + 1).astype(jnp.int32)
 
 
 def _dec_iq2_xxs(b):

@@ -136,16 +136,23 @@ def quant_bytes(qtype, n_cols: int) -> int:
     return n_cols // bs * p
 
 
-def dequantize_planar(data: jax.Array, qtype) -> jax.Array:
-    """Planar rows uint8[..., R] -> f32[..., n_cols], the same bits `blocks.dequantize_rows` gives for the GGML
-    rows. Traceable; fuses into its consumer like the GGML decoders."""
-    bs, h, p = _fields(qtype)
+def block_parts(data: jax.Array, qtype, layout: str) -> tuple[jax.Array, jax.Array]:
+    """Rows uint8[..., R] in `layout` -> every block's (scale bytes [..., nb, h], planar quant bytes [..., nb, p]):
+    the fields of a planar block whichever layout holds them (traceable)."""
+    _, h, p = _fields(qtype)
     data = jnp.asarray(data)
     nb = data.shape[-1] // (h + p)
     lead = data.shape[:-1]
-    q = data[..., :nb * p].reshape(*lead, nb, p)
-    d = data[..., nb * p:].reshape(*lead, nb, h)
-    return _VALUES[qtype](d, q).reshape(*lead, nb * bs)
+    if layout == "ggml":
+        return _split_block(data.reshape(*lead, nb, h + p), qtype, jnp)
+    return data[..., nb * p:].reshape(*lead, nb, h), data[..., :nb * p].reshape(*lead, nb, p)
+
+
+def dequantize_planar(data: jax.Array, qtype) -> jax.Array:
+    """Planar rows uint8[..., R] -> f32[..., n_cols], the same bits `blocks.dequantize_rows` gives for the GGML
+    rows. Traceable; fuses into its consumer like the GGML decoders."""
+    d, q = block_parts(data, qtype, "planar")
+    return _VALUES[qtype](d, q).reshape(*d.shape[:-2], -1)
 
 
 @functools.partial(jax.jit, static_argnums=1, donate_argnums=0)

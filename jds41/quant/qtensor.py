@@ -35,6 +35,8 @@ so llama.cpp can serve as a tight oracle for quantized files (tests/test_model_v
 the f32 activation row to the weight type's `vec_dot_type` (ggml-cpu.c type_traits_cpu): Q8_0 for Q8_0 and MXFP4
 weights, F16 for F16 weights. Only these are emulated; F32 weights need nothing, and BF16 (vec_dot_type BF16) and
 the K/IQ types (Q8_K rows of 256) are left unrounded, so "ggml-cpu" does not match llama.cpp tightly for them.
+With "int8" the two-bit formats' products (IQ2_XXS, Q2_K) read x rounded to int8 blocks of 32 and are integer dot
+products (quant/int8_act.py; on CUDA the dp4a kernel of quant/triton_int8.py); every other product reads x as is.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from jax import lax
 
-from jds41.quant import planar, triton_matvec
+from jds41.quant import planar, triton_int8, triton_matvec
 from jds41.quant.blocks import (
     FLOAT_TYPES,
     NATIVE_DTYPES,
@@ -61,6 +63,7 @@ from jds41.quant.blocks import (
     n_cols_of,
     native_to_f32,
 )
+from jds41.quant.int8_act import INT8_TYPES, int8_values, round_int8, xla_int8_rows_matvec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +80,7 @@ class QTensor:
     data: Any
     qtype: GGMLQuantizationType
     shape: tuple[int, ...]
-    act_round: str | None = None  # None or "ggml-cpu": how products round the activation (module docstring)
+    act_round: str | None = None  # None, "ggml-cpu" or "int8": how products round the activation (module docstring)
     # "ggml": rows as in the file; "planar": PLANAR_TYPES rows regrouped on the device, quants first, then scales
     # (jds41/quant/planar.py): the same values, aligned loads for the GPU kernels.
     layout: str = "ggml"
@@ -149,7 +152,7 @@ class QTensor:
 
 jax.tree_util.register_dataclass(QTensor, data_fields=["data"], meta_fields=["qtype", "shape", "act_round", "layout"])
 
-ACT_ROUNDINGS = (None, "ggml-cpu")
+ACT_ROUNDINGS = (None, "ggml-cpu", "int8")
 _Q8_0_ACT_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.MXFP4)
 
 
@@ -172,6 +175,8 @@ def _act(x: jax.Array, w: QTensor) -> jax.Array:
     x = x.astype(jnp.float32)
     if w.act_round is None:
         return x
+    if w.act_round == "int8":
+        return int8_values(x) if w.qtype in INT8_TYPES else x
     if w.qtype in _Q8_0_ACT_TYPES:
         return _ggml_cpu_q8_0(x)
     if w.qtype == GGMLQuantizationType.F16:
@@ -250,6 +255,8 @@ def qmatvec(x_in: jax.Array, w: QTensor) -> jax.Array:
     if _ROWS_AS_DOTS.get():
         return jnp.einsum("i,oi->o", _act(x_in, w), _values(w.data, w.qtype, w.layout),
                           precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    if _int8(w):
+        return _int8_rows_matvec(x_in[None], w, jnp.asarray(w.data)[None], jnp.zeros(1, jnp.int32))[0]
     xla = lambda x_I, raw_OR: _row_dot(_values(raw_OR, w.qtype, w.layout), _act(x_I, w))  # 2-d: no [1, out, in]
     if not _kernel_applies(w):
         return xla(x_in, w.data)
@@ -310,13 +317,15 @@ def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array, til
         return jnp.einsum(spec, _act(x, w_stack), w_KOI, precision=lax.Precision.HIGHEST,
                           preferred_element_type=jnp.float32)
 
-    x_XI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
     layout = w_stack.layout
-    if not _kernel_applies(w_stack):
-        return xla_rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout)
     tile = None
     if tile_k is not None:
         tile = triton_matvec.default_tile(w_stack.qtype, tile_k, w_stack.data.shape[-2], w_stack.n_cols)
+    if _int8(w_stack):
+        return _int8_rows_matvec(x.reshape(-1, x.shape[-1]), w_stack, jnp.asarray(w_stack.data), expert_idx_K, tile)
+    x_XI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
+    if not _kernel_applies(w_stack):
+        return xla_rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout)
     return rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout, tile=tile)
 
 
@@ -342,7 +351,26 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
 
 
 def _kernel_applies(w: QTensor) -> bool:
-    """The one-token product of `w` goes through a Triton kernel on CUDA (triton_matvec): its format, layout and
-    size have one, and the activation is read as is (llama.cpp's activation rounding is a CPU oracle's numerics,
-    kept in XLA)."""
-    return w.act_round is None and triton_matvec.supported(w.qtype, w.nbytes, w.layout)
+    """The one-token product of `w` goes through the f32 Triton kernel on CUDA (triton_matvec): its format, layout
+    and size have one, and the activation is read as is (llama.cpp's activation rounding is a CPU oracle's numerics,
+    kept in XLA; the "int8" numerics reads the two-bit formats' x as int8, `_int8`)."""
+    as_is = w.act_round is None or (w.act_round == "int8" and w.qtype not in INT8_TYPES)
+    return as_is and triton_matvec.supported(w.qtype, w.nbytes, w.layout)
+
+
+def _int8(w: QTensor) -> bool:
+    """The product of `w` reads x as int8 blocks (the "int8" numerics and a two-bit format: quant/int8_act.py)."""
+    return w.act_round == "int8" and w.qtype in INT8_TYPES
+
+
+def _int8_rows_matvec(x_XI: jax.Array, w: QTensor, raw_EOR: jax.Array, idx_K: jax.Array, tile=None) -> jax.Array:
+    """The one-token product of "int8" numerics: x [1 or K, I] rounded to int8 blocks, then the integer dot product
+    of quant/int8_act.py, by the dp4a kernel on CUDA (quant/triton_int8.py) where it takes the rows, else by XLA."""
+    q, d = round_int8(x_XI)
+    xla = lambda q, d, raw, idx: xla_int8_rows_matvec(q, d, raw, idx, w.qtype, w.layout)  # noqa: E731
+    if not triton_int8.supported(w.qtype, w.nbytes, w.layout):
+        return xla(q, d, raw_EOR, idx_K)
+    if triton_matvec.INTERPRET:
+        return triton_int8.rows_matvec_int8(q, d, raw_EOR, idx_K, w.qtype, w.layout, interpret=True, tile=tile)
+    kernel = lambda q, d, raw, idx: triton_int8.rows_matvec_int8(q, d, raw, idx, w.qtype, w.layout, tile=tile)  # noqa: E731
+    return lax.platform_dependent(q, d, raw_EOR, idx_K, cuda=kernel, default=xla)

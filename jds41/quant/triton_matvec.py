@@ -136,8 +136,9 @@ def supported(qtype, stack_bytes: int, layout: str = "ggml") -> bool:
 def planar_weights(act_round: str | None = None) -> bool:
     """Whether an engine regroups its resident PLANAR_TYPES weights into planar rows (jds41/quant/planar.py) for
     these kernels: where they run (CUDA, or every platform with JDS41_TRITON=interpret) and the activation is read
-    as is. Elsewhere the GGML rows stay, and XLA reads either layout to the same bits."""
-    if not (ENABLED and PLANAR) or act_round is not None or not (_BACKEND or INTERPRET):
+    as is, or as int8 by the two-bit formats (the "int8" numerics, quant/triton_int8.py). Elsewhere the GGML rows
+    stay, and XLA reads either layout to the same bits."""
+    if not (ENABLED and PLANAR) or act_round not in (None, "int8") or not (_BACKEND or INTERPRET):
         return False
     return INTERPRET or jax.default_backend() == "gpu"
 

@@ -357,6 +357,10 @@ def prefetch_experts(tl: TieredLayer, guess_K: jax.Array) -> None:
     io_callback(start, None, guess_K, on_ssd, ordered=False)
 
 
+def _is_qtensor(v) -> bool:
+    return isinstance(v, QTensor)
+
+
 def place_experts(params: dict, stores, layout, host_fetch: str = "selected", lean_margin: float = 0.0) -> dict:
     """`params` with each placed layer's routed stacks replaced by a `TieredLayer` (key "routed") built from the
     stores of a placement (jds41.tiers.stores.build_stores): tier-0 and tier-1 stacks, the tier table, and the
@@ -364,13 +368,17 @@ def place_experts(params: dict, stores, layout, host_fetch: str = "selected", le
     tier_LE, local_LE = stores.tier_table(layout)
     device = next(iter(stores.device.sharding.device_set))
     whole = whole_stack_fits(held_host_bytes(stores, layout.layers), device.memory_stats())
+    # every QTensor of a loaded model carries the engine's activation numerics; the stores' stacks take it too
+    act_round = next((v.act_round for v in jax.tree.leaves(params["blocks"], is_leaf=_is_qtensor) if _is_qtensor(v)),
+                     None)
+    numerics = lambda stacks: {k: dataclasses.replace(v, act_round=act_round) for k, v in stacks.items()}  # noqa: E731
     blocks = []
     for layer, block in enumerate(params["blocks"]):
         if layer in layout.layers:
             on_ssd = bool((tier_LE[layer] == 2).any())
             block = {k: v for k, v in block.items() if not k.endswith("_exps")}
             block["routed"] = TieredLayer(
-                hbm=dict(stores.device.stacks[layer]), host=dict(stores.host.stacks[layer]),
+                hbm=numerics(stores.device.stacks[layer]), host=numerics(stores.host.stacks[layer]),
                 tier_E=jnp.asarray(tier_LE[layer], jnp.int32), local_E=jnp.asarray(np.maximum(local_LE[layer], 0)),
                 lean_margin=jnp.float32(lean_margin),
                 layer=layer, source=stores.ssd if on_ssd else None, has_host=bool((tier_LE[layer] == 1).any()),

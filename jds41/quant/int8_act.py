@@ -1,0 +1,90 @@
+"""The "int8" activation numerics: the two-bit formats' products read the activation rounded to int8 blocks of 32.
+
+What it is: before a product with IQ2_XXS or Q2_K weights (V4.1's routed experts), x is rounded per block of 32
+values to q * d, d = amax / 127 (f32), q = round-half-even(x * 127 / amax) in [-127, 127] (q = d = 0 for a zero
+block). llama.cpp's CUDA backend rounds the same way before its quantized matrix-vector products (q8_1 blocks of 32,
+whose d it stores as f16), and its CPU backend rounds these formats to Q8_K (blocks of 256). Every other format,
+and every product when the numerics is off (`QTensor.act_round` None), reads x as is.
+
+Why: with int8 activations a product is an integer dot product within each block of 32 and a few float
+multiplies per block, which the GPU does four values an instruction (dp4a): the two-bit expert kernels were bound by
+their per-value float arithmetic (quant/triton_matvec.py, IQ2XXS_KERNEL_TABLE's docstring). The rounding changes
+the numbers, so it is a numerics of its own (`Engine.open(numerics="int8")`), never the default, and its fidelity
+against the f32 activation is measured, not assumed (experiments/README.md).
+
+The product, per weight block b of 256 and activation block c of 32 (its 32 values in group g = c mod 8 of b):
+  IQ2_XXS  y += d_b * sum_g (dx_c * f32((2 s_g + 1) * sum_32 w * q)) / 8        (w the signed grid value)
+  Q2_K     y += d_b * sum_j (dx_j * f32(sc_j * sum_16 code * q)) - dmin_b * sum_j (dx_j * f32(m_j * sum_16 q))
+           over the 16 sub-blocks j of 16 values, dx_j the scale of the activation block holding j.
+Integer sums are exact; the float sums run in a fixed order here (left to right, so a product's bits do not depend
+on its shape) and in the kernel's order on the GPU (quant/triton_int8.py), which agree to f32 rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from jds41.quant.blocks import _f16, iq2_xxs_integers
+from jds41.quant.planar import _unpack_crumbs, block_parts
+
+INT8_TYPES = frozenset({T.IQ2_XXS, T.Q2_K})  # the formats whose products the "int8" numerics rounds x for
+BLOCK = 32  # activation values per int8 block
+
+
+def round_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """f32 x[..., n] (n % 32 == 0) -> (q int8[..., n], d f32[..., n / 32]): x ~ q * d per block of 32."""
+    b = jnp.asarray(x, jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(b), axis=-1)
+    live = amax != 0
+    inv = jnp.where(live, np.float32(127) / jnp.where(live, amax, 1), 0)
+    q = jnp.clip(jnp.round(b * inv[..., None]), -127, 127).astype(jnp.int8)  # jnp.round: half to even
+    return q.reshape(x.shape), amax / np.float32(127)
+
+
+def int8_values(x: jax.Array) -> jax.Array:
+    """x as the "int8" numerics reads it, f32: q * d of `round_int8` (what a product's dot form multiplies)."""
+    q, d = round_int8(x)
+    blocks = q.astype(jnp.float32).reshape(*q.shape[:-1], -1, BLOCK) * d[..., None]
+    return blocks.reshape(x.shape)
+
+
+def _chain(parts):
+    """parts[0] + parts[1] + ... left to right: a fixed order whatever the arrays' shapes."""
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = acc + p
+    return acc
+
+
+def _last_axis_chain(a: jax.Array) -> jax.Array:
+    return _chain([a[..., i] for i in range(a.shape[-1])])
+
+
+def xla_int8_rows_matvec(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype,
+                         layout: str = "ggml") -> jax.Array:
+    """y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i] with x = int8 blocks (q [1 or K, I], d [1 or K, I / 32]) and W
+    raw IQ2_XXS or Q2_K rows [E, O, R] in `layout`, by the module's formula -> f32 [K, O]; indices clamped."""
+    if qtype not in INT8_TYPES:
+        raise ValueError(f"the int8 product takes {sorted(t.name for t in INT8_TYPES)}, not {T(qtype).name}")
+    raw_KOR = jnp.take(jnp.asarray(raw_EOR), idx_K, axis=0, mode="clip")
+    scales, quants = block_parts(raw_KOR, qtype, layout)  # [K, O, nb, h], [K, O, nb, p]
+    nb = scales.shape[-2]
+    q = jnp.asarray(q_XI).astype(jnp.int32)[:, None]  # [X, 1, I]
+    dx = jnp.asarray(d_XC, jnp.float32)[:, None]  # [X, 1, I / 32]
+    if qtype == T.IQ2_XXS:
+        w, ls = iq2_xxs_integers(quants)  # [K, O, nb, 8, 32], [K, O, nb, 8]
+        isum = jnp.sum(w * q.reshape(*q.shape[:2], nb, 8, 32), axis=-1)
+        per_group = dx.reshape(*dx.shape[:2], nb, 8) * (isum * ls).astype(jnp.float32)
+        per_block = _f16(scales) * _last_axis_chain(per_group) * np.float32(0.125)  # [K, O, nb]
+    else:
+        codes = _unpack_crumbs(quants).reshape(*quants.shape[:-1], 16, 16).astype(jnp.int32)  # [K, O, nb, 16, 16]
+        sc = scales[..., :16].astype(jnp.int32)
+        q16 = q.reshape(*q.shape[:2], nb, 16, 16)
+        dx16 = jnp.repeat(dx.reshape(*dx.shape[:2], nb, 8), 2, axis=-1)  # sub-block j reads block j // 2's d
+        scaled = _last_axis_chain(dx16 * ((sc & 15) * jnp.sum(codes * q16, axis=-1)).astype(jnp.float32))
+        mins = _last_axis_chain(dx16 * ((sc >> 4) * jnp.sum(q16, axis=-1)).astype(jnp.float32))
+        per_block = _f16(scales[..., 16:18]) * scaled - _f16(scales[..., 18:20]) * mins
+    return _last_axis_chain(per_block)

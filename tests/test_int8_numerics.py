@@ -1,0 +1,169 @@
+"""The "int8" activation numerics (jds41/quant/int8_act.py) and its dp4a kernel (jds41/quant/triton_int8.py).
+
+On every machine: the rounding against a numpy re-derivation; the XLA integer product and the kernel (Pallas'
+interpreter, with the dp4a spelled as shifts and multiplies) against a float64 product of gguf-py's dequantized
+weights with the rounded activation; the dp4a spelling against numpy's int8 dot; the wiring (which products round,
+which lower to which kernel on CUDA); and an engine opened with numerics="int8": the device loop gives the step
+loop's tokens, a three-tier placement gives the resident bits, and the logits differ from the f32 activation's
+(the numerics is really on) by little. On a GPU (marker `gpu`): the compiled kernel against the XLA product at
+V4.1's expert shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from jds41.quant import QTensor, qmatvec_experts
+from jds41.quant.int8_act import int8_values, round_int8, xla_int8_rows_matvec
+from jds41.quant.planar import to_planar
+from jds41.quant.random_blocks import random_quantized
+from jds41.quant.triton_int8 import KINDS, _dp4a_plain, rows_matvec_int8
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+KIND_LIST = sorted(KINDS, key=lambda k: (k[0].name, k[1]))
+
+
+def _numpy_round(x):
+    """The rounding re-derived in numpy: blocks of 32, d = amax / 127, q = nearest (ties to even) of x / d."""
+    b = np.asarray(x, np.float32).reshape(*x.shape[:-1], -1, 32)
+    amax = np.abs(b).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(amax > 0, np.rint(b * (np.float32(127) / amax)), 0)
+    return q.reshape(x.shape).astype(np.int8), (amax / np.float32(127))[..., 0]
+
+
+def _reference(x, raw, idx, qtype):
+    """float64: gguf-py's dequantized rows times the rounded activation (q * d), indices clamped."""
+    q, d = _numpy_round(x)
+    xr = (q.astype(np.float64).reshape(*q.shape[:-1], -1, 32) * d[..., None]).reshape(q.shape)
+    return np.stack([gguf.quants.dequantize(raw[e], qtype).astype(np.float64) @ xr[k if len(xr) > 1 else 0]
+                     for k, e in enumerate(np.clip(idx, 0, len(raw) - 1))])
+
+
+def _rel(got, want):
+    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+
+
+def test_the_rounding_matches_a_numpy_rederivation():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 256)).astype(np.float32) * rng.uniform(0.01, 100, (3, 1)).astype(np.float32)
+    x[0, :32] = 0  # a zero block: q = d = 0
+    x[1, 32:64] = np.arange(32) - 15.5  # halves: 127 / 16 * (k + 0.5) lands on ties only by luck; check anyway
+    q, d = round_int8(jnp.asarray(x))
+    want_q, want_d = _numpy_round(x)
+    np.testing.assert_array_equal(np.asarray(q), want_q)
+    np.testing.assert_array_equal(np.asarray(d), want_d)
+    assert np.asarray(q).min() >= -127 and np.abs(np.asarray(int8_values(jnp.asarray(x))) - x).max() <= \
+        np.asarray(d).max() / 2 * 1.0001
+
+
+def test_dp4a_spelled_in_shifts_is_the_signed_byte_dot_product():
+    rng = np.random.default_rng(1)
+    a, b = (rng.integers(-128, 128, (64, 4)).astype(np.int8) for _ in range(2))
+    c = rng.integers(-1 << 20, 1 << 20, 64).astype(np.int32)
+    words = lambda v: jnp.asarray(v.view(np.int32)[:, 0])  # noqa: E731 (bytes k = 0..3 of each word, little-endian)
+    got = np.asarray(_dp4a_plain(words(a), words(b), jnp.asarray(c)))
+    np.testing.assert_array_equal(got, (a.astype(np.int32) * b).sum(axis=1) + c)
+
+
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K])
+@pytest.mark.parametrize("layout", ["ggml", "planar"])
+def test_the_xla_integer_product_equals_a_float64_reference(qtype, layout):
+    rng = np.random.default_rng(2)
+    raw = random_quantized(rng, qtype, (4, 16, 1024))
+    x = rng.standard_normal((3, 1024)).astype(np.float32)
+    idx = np.array([3, 0, 7], np.int32)
+    q, d = round_int8(jnp.asarray(x))
+    rows = jnp.asarray(to_planar(raw, qtype) if layout == "planar" else raw)
+    got = xla_int8_rows_matvec(q, d, rows, jnp.asarray(idx), qtype, layout)
+    assert _rel(got, _reference(x, raw, idx, qtype)) < 1e-6
+
+
+@pytest.mark.parametrize("qtype,layout", KIND_LIST)
+@pytest.mark.parametrize("x_rows", ["shared", "per-expert"])
+def test_the_interpreted_int8_kernel_equals_the_reference(qtype, layout, x_rows):
+    rng = np.random.default_rng(3)
+    raw = random_quantized(rng, qtype, (5, 24, 1024))
+    idx = np.array([4, 0, 2, 9, -3], np.int32)
+    x = rng.standard_normal((1 if x_rows == "shared" else len(idx), 1024)).astype(np.float32)
+    want = _reference(x, raw, idx, qtype)
+    q, d = round_int8(jnp.asarray(x))
+    rows = jnp.asarray(to_planar(raw, qtype) if layout == "planar" else raw)
+    for tile in (None, (8, 2, 4), (8, 1, 4, 4)):  # the rule's, another grouping of blocks, a row split in four
+        got = rows_matvec_int8(q, d, rows, jnp.asarray(idx), qtype, layout, interpret=True, tile=tile)
+        assert got.shape == (5, 24) and _rel(got, want) < 1e-6, tile
+
+
+def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda():
+    rng = np.random.default_rng(4)
+    x, idx = jnp.ones(512, jnp.float32), jnp.arange(3, dtype=jnp.int32)
+
+    def lowered(w):
+        traced = jax.jit(lambda x, i: qmatvec_experts(x, w, i)).trace(x, idx)
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+    iq2 = random_quantized(rng, T.IQ2_XXS, (8, 32, 512))
+    assert "rows_matvec_int8_iq2_xxs" in lowered(QTensor.from_raw(iq2, T.IQ2_XXS, (8, 32, 512), act_round="int8"))
+    assert "rows_matvec_int8" not in lowered(QTensor.from_raw(iq2, T.IQ2_XXS, (8, 32, 512)))
+    mx = random_quantized(rng, T.MXFP4, (8, 32, 512))  # not a two-bit format: the f32 kernel, x as is
+    text = lowered(QTensor.from_raw(mx, T.MXFP4, (8, 32, 512), act_round="int8"))
+    assert TRITON_CALL in text and "rows_matvec_int8" not in text
+    xs = jnp.asarray(rng.standard_normal(512), jnp.float32)
+    rounded = qmatvec_experts(xs, QTensor.from_raw(mx, T.MXFP4, (8, 32, 512), act_round="int8"), idx)
+    np.testing.assert_array_equal(np.asarray(rounded), np.asarray(qmatvec_experts(xs, QTensor.from_raw(
+        mx, T.MXFP4, (8, 32, 512)), idx)))
+
+
+def _two_bit_model(tmp_path) -> str:
+    from jds41.checkpoints import synth
+    from jds41.checkpoints.presets import preset
+
+    path = tmp_path / "two-bit.gguf"
+    cfg = dataclasses.replace(preset("deepseek41", "tiny"), dim=256, expert_ff=256)
+    assert not synth.write_synthetic(path, cfg, "ds4-q2", progress=False)["fallback_q8_0"]
+    return str(path)
+
+
+@pytest.mark.slow
+def test_an_int8_engine_keeps_its_invariances_and_stays_near_the_f32_activation(tmp_path):
+    from jds41.decode_loop import greedy_generate
+    from jds41.engine import Engine, SamplingParams
+
+    path = _two_bit_model(tmp_path)
+    toks = [int(t) for t in np.random.default_rng(5).integers(8, 400, 24)]
+    eng = Engine.open(path, max_ctx=64, numerics="int8")
+    want = eng.session().feed(toks, all_logits=True)
+    gen = list(eng.session().generate(toks, 8, SamplingParams()))
+    s = eng.session()
+    assert greedy_generate(s, int(np.argmax(s.feed(toks))), 8) == gen
+    split = {"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3, "placement_source": "uniform",
+             "slot_cache_slots": 2, "lookahead": 1, "router_lean": {"enabled": False}}
+    prof = tmp_path / "split3.json"
+    prof.write_text(json.dumps(split))
+    tiered = Engine.open(path, max_ctx=64, numerics="int8", profile=str(prof))
+    np.testing.assert_array_equal(tiered.session().feed(toks, all_logits=True), want)
+    f32 = Engine.open(path, max_ctx=64).session().feed(toks, all_logits=True)
+    assert not np.array_equal(f32, want)  # the two-bit products really read int8
+    assert (f32.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype,n_out,n_in,X", [(T.IQ2_XXS, 2304, 5120, 1), (T.Q2_K, 5120, 2304, 6)])
+def test_the_compiled_int8_kernel_agrees_with_the_xla_product_on_the_gpu(qtype, n_out, n_in, X):
+    rng = np.random.default_rng(6)
+    one = random_quantized(rng, qtype, (1, n_out, n_in))
+    raw = np.concatenate([one] * 8)
+    idx = jnp.asarray(rng.integers(0, 8, 6), jnp.int32)
+    q, d = round_int8(jnp.asarray(rng.standard_normal((X, n_in)), jnp.float32))
+    rows = jax.device_put(to_planar(raw, qtype))
+    got = np.asarray(jax.jit(lambda q, d, r, i: rows_matvec_int8(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
+    want = np.asarray(jax.jit(lambda q, d, r, i: xla_int8_rows_matvec(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
+    assert np.isfinite(got).all() and _rel(got, want.astype(np.float64)) < 1e-5
