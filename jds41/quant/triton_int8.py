@@ -22,6 +22,7 @@ Q2_K (planar rows only): a sub-block's 16 codes are one word, code u of each byt
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,9 @@ from jds41.quant.int8_act import BLOCK
 # (qtype, layout) pairs this kernel reads: what an engine with the kernels holds (planar), and IQ2_XXS as in the file
 KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar")})
 _BYTE_ONES = np.int32(0x01010101)
+# IQ2_XXS sign masks: "table" (two lookups an octet) or "bits" (from the sign index by arithmetic, no lookup).
+# JDS41_INT8_SIGNS (read at import) for A/B benchmarks.
+SIGN_MASKS = os.environ.get("JDS41_INT8_SIGNS", "table")
 
 
 def supported(qtype, stack_bytes: int, layout: str) -> bool:
@@ -84,6 +88,12 @@ def _dp4a_plain(a, b, c):
     return acc
 
 
+def _byte_masks(nibble):
+    """uint32 nibbles -> words whose byte k is 0xFF where bit k is set: the product with 0x00204081 moves bit k to
+    bit 8k (its four shifted copies do not overlap, so nothing carries)."""
+    return ((nibble * np.uint32(0x00204081)) & np.uint32(0x01010101)) * np.uint32(0xFF)
+
+
 def _signed_words(mags, masks):
     """Words of magnitude bytes with the masked bytes negated (module docstring), as int32."""
     return lax.bitcast_convert_type((mags ^ masks) + (masks & np.uint32(0x01010101)), jnp.int32)
@@ -99,9 +109,15 @@ def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, tbl_ref, *, dp4a):
     aux = aux_bytes[0].astype(jnp.uint32)
     for byte in range(1, 4):
         aux = aux | (aux_bytes[byte].astype(jnp.uint32) << (8 * byte))  # [BO, NB, 8, 1]
-    sign_at = _MASKS_AT + 2 * ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)
-    lo = _signed_words(tbl_ref[2 * idx], tbl_ref[sign_at])  # values 0-3 of each octet
-    hi = _signed_words(tbl_ref[2 * idx + 1], tbl_ref[sign_at + 1])  # values 4-7
+    s7 = (aux >> (7 * j).astype(jnp.uint32)) & 0x7F  # [BO, NB, 8, 4]: each octet's sign index
+    if SIGN_MASKS == "table":
+        sign_at = _MASKS_AT + 2 * s7.astype(jnp.int32)
+        lo = _signed_words(tbl_ref[2 * idx], tbl_ref[sign_at])  # values 0-3 of each octet
+        hi = _signed_words(tbl_ref[2 * idx + 1], tbl_ref[sign_at + 1])  # values 4-7
+    else:
+        s8 = s7 | ((lax.population_count(s7) & np.uint32(1)) << np.uint32(7))  # ggml's even-parity bit 7
+        lo = _signed_words(tbl_ref[2 * idx], _byte_masks(s8 & np.uint32(15)))
+        hi = _signed_words(tbl_ref[2 * idx + 1], _byte_masks(s8 >> np.uint32(4)))
     x_at = b[:, None, None] * 64 + g[0] * 8 + j[0] * 2  # [NB, 8, 4]: octet (g, j)'s first word
     octets = dp4a(hi, x_ref[kx, x_at + 1][None], dp4a(lo, x_ref[kx, x_at][None], jnp.zeros_like(lo)))
     group_sums = jnp.sum(octets * ((aux >> 28).astype(jnp.int32) * 2 + 1), axis=3)  # [BO, NB, 8], times 2s + 1
