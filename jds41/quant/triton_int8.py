@@ -37,9 +37,10 @@ from jds41.quant.int8_act import BLOCK
 # (qtype, layout) pairs this kernel reads: what an engine with the kernels holds (planar), and IQ2_XXS as in the file
 KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar")})
 _BYTE_ONES = np.int32(0x01010101)
-# IQ2_XXS sign masks: "table" (two lookups an octet) or "bits" (from the sign index by arithmetic, no lookup).
-# JDS41_INT8_SIGNS (read at import) for A/B benchmarks.
-SIGN_MASKS = os.environ.get("JDS41_INT8_SIGNS", "table")
+# IQ2_XXS step: "table" (grid and sign masks as words from a 3 KB table, four lookups an octet) or "packed" (the
+# grid's 2-bit codes from a 512-byte table and the sign bits from a 128-byte one, two lookups an octet, the bytes
+# assembled by arithmetic). JDS41_INT8_IQ2 (read at import) for A/B benchmarks.
+IQ2_STEP = os.environ.get("JDS41_INT8_IQ2", "packed")
 
 
 def supported(qtype, stack_bytes: int, layout: str) -> bool:
@@ -66,6 +67,8 @@ def _grid_table() -> np.ndarray:
 
 
 IQ2XXS_INT8_TABLE, _MASKS_AT = np.concatenate([_grid_table(), _sign_mask_table()]), 512
+_I = np.arange(128, dtype=np.uint8)
+IQ2XXS_SIGN_BYTES = _I | (np.array([bin(int(v)).count("1") & 1 for v in _I], np.uint8) << 7)  # i | parity << 7
 
 
 def _dp4a_asm(a, b, c):
@@ -88,10 +91,21 @@ def _dp4a_plain(a, b, c):
     return acc
 
 
+def _code_bytes(p):
+    """int32 words whose bits 2k, 2k + 1 (k = 0..3) hold 2-bit codes -> code k in byte k (shifted copies masked)."""
+    a = (p | (p << 12)) & 0x000F000F  # codes 0, 1 at bits 0-3; codes 2, 3 at bits 16-19
+    return (a | (a << 6)) & 0x03030303
+
+
+def _magnitude_bytes(c):
+    """Code bytes (0, 1, 2) -> magnitude bytes (8, 25, 43) = 8 + 17c + (c >> 1); no byte carries."""
+    return c * 17 + 0x08080808 + ((c >> 1) & _BYTE_ONES)
+
+
 def _byte_masks(nibble):
-    """uint32 nibbles -> words whose byte k is 0xFF where bit k is set: the product with 0x00204081 moves bit k to
+    """int32 nibbles -> words whose byte k is 0xFF where bit k is set: the product with 0x00204081 moves bit k to
     bit 8k (its four shifted copies do not overlap, so nothing carries)."""
-    return ((nibble * np.uint32(0x00204081)) & np.uint32(0x01010101)) * np.uint32(0xFF)
+    return ((nibble * 0x00204081) & _BYTE_ONES) * 0xFF
 
 
 def _signed_words(mags, masks):
@@ -99,27 +113,40 @@ def _signed_words(mags, masks):
     return lax.bitcast_convert_type((mags ^ masks) + (masks & np.uint32(0x01010101)), jnp.int32)
 
 
-def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, tbl_ref, *, dp4a):
-    """A block's 8 groups of 4 octets (`_dot_iq2_xxs` names the fields): per octet two dp4a of signed magnitude
-    words with x's words (value order: octet o = 4g + j is words 8g + 2j and 8g + 2j + 1), summed over the group's
-    octets (exact), times 2s + 1; then per group f32 times x's block scale, summed over groups, times d / 8."""
+def _octets_table(idx, s7, xl, xh, tbl_ref, *, dp4a):
+    """The octets' integer dot products from IQ2XXS_INT8_TABLE: signed magnitude words, one dp4a each."""
+    sign_at = _MASKS_AT + 2 * s7
+    lo = _signed_words(tbl_ref[2 * idx], tbl_ref[sign_at])  # values 0-3 of each octet
+    hi = _signed_words(tbl_ref[2 * idx + 1], tbl_ref[sign_at + 1])  # values 4-7
+    return dp4a(hi, xh, dp4a(lo, xl, jnp.zeros_like(lo)))
+
+
+def _octets_packed(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a):
+    """The octets' integer dot products from the packed grid (2-bit codes) and sign bytes: magnitude words m and
+    negative-byte masks M by arithmetic, then dp4a(m, x) - 2 dp4a(m & M, x) (no byte is ever negated)."""
+    p = codes_ref[idx].astype(jnp.int32)  # [BO, NB, 8, 4]: value k's code at bits 2k
+    signs = signs_ref[s7].astype(jnp.int32)  # value k negative where bit k is set
+    m_lo, m_hi = _magnitude_bytes(_code_bytes(p)), _magnitude_bytes(_code_bytes(p >> 8))
+    whole = dp4a(m_hi, xh, dp4a(m_lo, xl, jnp.zeros_like(p)))
+    neg = dp4a(m_hi & _byte_masks(signs >> 4), xh, dp4a(m_lo & _byte_masks(signs & 15), xl, jnp.zeros_like(p)))
+    return whole - 2 * neg
+
+
+def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, *tables, dp4a):
+    """A block's 8 groups of 4 octets (`_dot_iq2_xxs` names the fields): per octet the integer dot product of its 8
+    signed magnitudes with x's two words (value order: octet o = 4g + j is words 8g + 2j and 8g + 2j + 1), summed
+    over the group's octets (exact), times 2s + 1; then per group f32 times x's block scale, summed over groups,
+    times d / 8. `tables`: IQ2XXS_INT8_TABLE (IQ2_STEP "table") or the packed grid and sign bytes ("packed")."""
     idx_bytes, aux_bytes, d_bytes = loaded
     g, j = tm._ar(8, 2, 4), tm._ar(4, 3, 4)
     idx = idx_bytes.astype(jnp.int32)  # [BO, NB, 8, 4]
     aux = aux_bytes[0].astype(jnp.uint32)
     for byte in range(1, 4):
         aux = aux | (aux_bytes[byte].astype(jnp.uint32) << (8 * byte))  # [BO, NB, 8, 1]
-    s7 = (aux >> (7 * j).astype(jnp.uint32)) & 0x7F  # [BO, NB, 8, 4]: each octet's sign index
-    if SIGN_MASKS == "table":
-        sign_at = _MASKS_AT + 2 * s7.astype(jnp.int32)
-        lo = _signed_words(tbl_ref[2 * idx], tbl_ref[sign_at])  # values 0-3 of each octet
-        hi = _signed_words(tbl_ref[2 * idx + 1], tbl_ref[sign_at + 1])  # values 4-7
-    else:
-        s8 = s7 | ((lax.population_count(s7) & np.uint32(1)) << np.uint32(7))  # ggml's even-parity bit 7
-        lo = _signed_words(tbl_ref[2 * idx], _byte_masks(s8 & np.uint32(15)))
-        hi = _signed_words(tbl_ref[2 * idx + 1], _byte_masks(s8 >> np.uint32(4)))
+    s7 = ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)  # [BO, NB, 8, 4]: octets' sign indices
     x_at = b[:, None, None] * 64 + g[0] * 8 + j[0] * 2  # [NB, 8, 4]: octet (g, j)'s first word
-    octets = dp4a(hi, x_ref[kx, x_at + 1][None], dp4a(lo, x_ref[kx, x_at][None], jnp.zeros_like(lo)))
+    xl, xh = x_ref[kx, x_at][None], x_ref[kx, x_at + 1][None]
+    octets = (_octets_table if len(tables) == 1 else _octets_packed)(idx, s7, xl, xh, *tables, dp4a=dp4a)
     group_sums = jnp.sum(octets * ((aux >> 28).astype(jnp.int32) * 2 + 1), axis=3)  # [BO, NB, 8], times 2s + 1
     dx = d_ref[kx, b[:, None] * 8 + g[0, :, :, 0]][None]  # [1, NB, 8]
     per_block = jnp.sum(dx * group_sums.astype(jnp.float32), axis=2)  # [BO, NB]
@@ -186,7 +213,8 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     if qtype == T.IQ2_XXS:
         load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
         dot = functools.partial(_dot_iq2_xxs_int8, dp4a=dp4a)
-        extra = (jnp.asarray(d_XC, jnp.float32), jnp.asarray(IQ2XXS_INT8_TABLE))
+        tables = (IQ2XXS_INT8_TABLE,) if IQ2_STEP == "table" else (IQ2XXS_PACKED_GRID, IQ2XXS_SIGN_BYTES)
+        extra = (jnp.asarray(d_XC, jnp.float32), *(jnp.asarray(t) for t in tables))
     else:
         load = functools.partial(_load_q2_k_words, n_in=n_in)
         dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a)

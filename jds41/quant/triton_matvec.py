@@ -326,7 +326,7 @@ def _load_iq2_xxs(w_ref, rows, b, *, planar: bool, n_in: int):
     return idx, aux, _f16_bytes(w_ref, rows[:, None], d_at[None, :])
 
 
-def _dot_iq2_xxs(loaded, x_ref, kx, b, tbl_ref):
+def _dot_iq2_xxs(loaded, x_ref, kx, b, tbl_ref, sign_ref=None):
     """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
     4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o = 4g + j
     (group g, slot j) holds 8 values: magnitudes from the grid entry of its index byte, signs from its sign index
@@ -349,7 +349,8 @@ def _dot_iq2_xxs(loaded, x_ref, kx, b, tbl_ref):
     for byte in range(1, 4):
         aux = aux | (aux_bytes[byte].astype(jnp.uint32) << (8 * byte))
     mags = (tbl_ref[2 * idx], tbl_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
-    signs = tbl_ref[_IQ2_SIGNS_AT + ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)]
+    s7 = ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)
+    signs = tbl_ref[_IQ2_SIGNS_AT + s7] if sign_ref is None else sign_ref[s7].astype(jnp.uint32)
     x_at = b[:, None, None] * 256 + g[0] * 4 + j[0]  # [NB, 8, 4]: octet o's value 0 in the permuted x
     acc = None
     for k in range(8):
@@ -529,7 +530,10 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
         raise ValueError(f"rows_matvec: a stack of {E * n_out * R} bytes needs 64-bit offsets")
     tile = tile or default_tile(qtype, K, n_out, n_in)
     bo, nb, warps, splits = check_tile(qtype, n_out, n_in, tile)
-    extra = (jnp.asarray(IQ2XXS_KERNEL_TABLE),) if qtype == T.IQ2_XXS else ()
+    extra = ()
+    if qtype == T.IQ2_XXS:  # JDS41_IQ2_SIGN_BYTES=1: the sign bits from a 128-byte table (A/B, twenty-sixth session)
+        extra = (jnp.asarray(IQ2XXS_KERNEL_TABLE),) + ((jnp.asarray(IQ2XXS_KERNEL_TABLE[512:].astype(np.uint8)),)
+                                                      if os.environ.get("JDS41_IQ2_SIGN_BYTES") == "1" else ())
     if qtype == T.IQ2_XXS:
         x_XI = _octet_major(x_XI)
     elif qtype == T.Q2_K and layout == "planar":
