@@ -7,11 +7,15 @@ into words of four signed bytes and multiplied with x's words by PTX's `dp4a` (a
 to an int32, one instruction). Pallas' interpreter has no inline assembly, so there (the CPU tests) the same dot
 is four shifts and multiplies: integer sums are exact, so both give the same integers.
 
-IQ2_XXS (either layout): an octet's 8 magnitudes (8, 25, 43) are two words of bytes from the grid table, and its
-sign index (7 bits) names two words of byte masks (0xFF where negative) in a second table; (mags ^ mask) + (mask &
-0x01010101) negates the masked bytes (no byte carries: a magnitude is at least 8, so its complement is at most
-0xF7). Per octet: 4 lookups, 6 integer ops and 2 dp4a for 8 values, against a float multiply-add and a field
-extraction per value in the f32 step. x is read in value order.
+IQ2_XXS (either layout): per octet, its grid index names the 16-bit word of its 8 two-bit codes in blocks.py's
+packed grid (a 512-byte table) and its sign index its sign byte (ggml's even-parity bit 7, a 128-byte table); the
+codes are spread to bytes and mapped to magnitudes (8, 25, 43) by integer arithmetic, the sign bits to byte masks
+M, and the octet's sum is dp4a(m, x) - 2 dp4a(m & M, x) over its two words (x read in value order). Why small
+tables: a gather from a table of L 128-byte lines costs a warp up to L L1 wavefronts. The first form looked up
+magnitude and mask words in a 3 KB table (four lookups an octet, ~44 wavefronts a warp's octet against ~5 here);
+ncu put it at 92% of L1 throughput, and it ran no faster than the f32 kernel (24.8 us a call net of the loop,
+f32 23.0; 38.1 against 34.7 under ncu) though it executed 2.3x fewer instructions. This form: 12.5 us
+(results/bench_kernels_int8_h200.jsonl, bench_kernels_int8_packed_*_h200.jsonl; experiments/README.md).
 
 Q2_K (planar rows only): a sub-block's 16 codes are one word, code u of each byte at bits 2u, so (word >> 2u) &
 0x03030303 holds four codes as bytes, and x is read crumb-major (`_crumb_major`: value 4t + u of a block at
@@ -22,7 +26,6 @@ Q2_K (planar rows only): a sub-block's 16 codes are one word, code u of each byt
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +40,6 @@ from jds41.quant.int8_act import BLOCK
 # (qtype, layout) pairs this kernel reads: what an engine with the kernels holds (planar), and IQ2_XXS as in the file
 KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar")})
 _BYTE_ONES = np.int32(0x01010101)
-# IQ2_XXS step: "table" (grid and sign masks as words from a 3 KB table, four lookups an octet) or "packed" (the
-# grid's 2-bit codes from a 512-byte table and the sign bits from a 128-byte one, two lookups an octet, the bytes
-# assembled by arithmetic). JDS41_INT8_IQ2 (read at import) for A/B benchmarks.
-IQ2_STEP = os.environ.get("JDS41_INT8_IQ2", "packed")
 
 
 def supported(qtype, stack_bytes: int, layout: str) -> bool:
@@ -49,26 +48,13 @@ def supported(qtype, stack_bytes: int, layout: str) -> bool:
         and stack_bytes <= tm.MAX_STACK_BYTES
 
 
-def _sign_mask_table() -> np.ndarray:
-    """uint32 [256]: words 2i and 2i + 1 hold sign index i's byte masks for values 0-3 and 4-7 (0xFF where the
-    value is negative: bit k of i | parity(i) << 7, ggml's even-parity sign bits)."""
-    i = np.arange(128, dtype=np.uint32)
-    parity = np.array([bin(int(v)).count("1") & 1 for v in i], np.uint32)
-    bits = ((i | (parity << 7))[:, None] >> np.arange(8, dtype=np.uint32)) & 1  # [128, 8]
-    masks = (bits * np.uint32(0xFF)) << (8 * (np.arange(8, dtype=np.uint32) % 4))
-    return masks.reshape(128, 2, 4).sum(axis=2, dtype=np.uint32).reshape(256)
+def _sign_bytes() -> np.ndarray:
+    """uint8 [128]: sign index i's 8 sign bits, i | parity(i) << 7 (bit k set: value k of the octet is negative)."""
+    i = np.arange(128, dtype=np.uint8)
+    return i | (np.array([bin(int(v)).count("1") & 1 for v in i], np.uint8) << 7)
 
 
-def _grid_table() -> np.ndarray:
-    """uint32 [512]: words 2g and 2g + 1 hold grid entry g's magnitudes (8, 25, 43) as bytes, values 0-3 and 4-7."""
-    codes = (IQ2XXS_PACKED_GRID[:, None].astype(np.uint32) >> (2 * np.arange(8, dtype=np.uint32))) & 3
-    mags = np.array([8, 25, 43], np.uint32)[codes].reshape(256, 2, 4)
-    return (mags << (8 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32).reshape(512)
-
-
-IQ2XXS_INT8_TABLE, _MASKS_AT = np.concatenate([_grid_table(), _sign_mask_table()]), 512
-_I = np.arange(128, dtype=np.uint8)
-IQ2XXS_SIGN_BYTES = _I | (np.array([bin(int(v)).count("1") & 1 for v in _I], np.uint8) << 7)  # i | parity << 7
+IQ2XXS_SIGN_BYTES = _sign_bytes()
 
 
 def _dp4a_asm(a, b, c):
@@ -108,20 +94,7 @@ def _byte_masks(nibble):
     return ((nibble * 0x00204081) & _BYTE_ONES) * 0xFF
 
 
-def _signed_words(mags, masks):
-    """Words of magnitude bytes with the masked bytes negated (module docstring), as int32."""
-    return lax.bitcast_convert_type((mags ^ masks) + (masks & np.uint32(0x01010101)), jnp.int32)
-
-
-def _octets_table(idx, s7, xl, xh, tbl_ref, *, dp4a):
-    """The octets' integer dot products from IQ2XXS_INT8_TABLE: signed magnitude words, one dp4a each."""
-    sign_at = _MASKS_AT + 2 * s7
-    lo = _signed_words(tbl_ref[2 * idx], tbl_ref[sign_at])  # values 0-3 of each octet
-    hi = _signed_words(tbl_ref[2 * idx + 1], tbl_ref[sign_at + 1])  # values 4-7
-    return dp4a(hi, xh, dp4a(lo, xl, jnp.zeros_like(lo)))
-
-
-def _octets_packed(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a):
+def _octets(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a):
     """The octets' integer dot products from the packed grid (2-bit codes) and sign bytes: magnitude words m and
     negative-byte masks M by arithmetic, then dp4a(m, x) - 2 dp4a(m & M, x) (no byte is ever negated)."""
     p = codes_ref[idx].astype(jnp.int32)  # [BO, NB, 8, 4]: value k's code at bits 2k
@@ -132,11 +105,11 @@ def _octets_packed(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a):
     return whole - 2 * neg
 
 
-def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, *tables, dp4a):
+def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, codes_ref, signs_ref, *, dp4a):
     """A block's 8 groups of 4 octets (`_dot_iq2_xxs` names the fields): per octet the integer dot product of its 8
     signed magnitudes with x's two words (value order: octet o = 4g + j is words 8g + 2j and 8g + 2j + 1), summed
     over the group's octets (exact), times 2s + 1; then per group f32 times x's block scale, summed over groups,
-    times d / 8. `tables`: IQ2XXS_INT8_TABLE (IQ2_STEP "table") or the packed grid and sign bytes ("packed")."""
+    times d / 8."""
     idx_bytes, aux_bytes, d_bytes = loaded
     g, j = tm._ar(8, 2, 4), tm._ar(4, 3, 4)
     idx = idx_bytes.astype(jnp.int32)  # [BO, NB, 8, 4]
@@ -146,7 +119,7 @@ def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, *tables, dp4a):
     s7 = ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)  # [BO, NB, 8, 4]: octets' sign indices
     x_at = b[:, None, None] * 64 + g[0] * 8 + j[0] * 2  # [NB, 8, 4]: octet (g, j)'s first word
     xl, xh = x_ref[kx, x_at][None], x_ref[kx, x_at + 1][None]
-    octets = (_octets_table if len(tables) == 1 else _octets_packed)(idx, s7, xl, xh, *tables, dp4a=dp4a)
+    octets = _octets(idx, s7, xl, xh, codes_ref, signs_ref, dp4a=dp4a)
     group_sums = jnp.sum(octets * ((aux >> 28).astype(jnp.int32) * 2 + 1), axis=3)  # [BO, NB, 8], times 2s + 1
     dx = d_ref[kx, b[:, None] * 8 + g[0, :, :, 0]][None]  # [1, NB, 8]
     per_block = jnp.sum(dx * group_sums.astype(jnp.float32), axis=2)  # [BO, NB]
@@ -213,8 +186,7 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     if qtype == T.IQ2_XXS:
         load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
         dot = functools.partial(_dot_iq2_xxs_int8, dp4a=dp4a)
-        tables = (IQ2XXS_INT8_TABLE,) if IQ2_STEP == "table" else (IQ2XXS_PACKED_GRID, IQ2XXS_SIGN_BYTES)
-        extra = (jnp.asarray(d_XC, jnp.float32), *(jnp.asarray(t) for t in tables))
+        extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, IQ2XXS_SIGN_BYTES))
     else:
         load = functools.partial(_load_q2_k_words, n_in=n_in)
         dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a)
