@@ -7,10 +7,10 @@ whose d it stores as f16), and its CPU backend rounds these formats to Q8_K (blo
 and every product when the numerics is off (`QTensor.act_round` None), reads x as is.
 
 Why: with int8 activations a product is an integer dot product within each block of 32 and a few float
-multiplies per block, which the GPU does four values an instruction (dp4a): the two-bit expert kernels were bound by
-their per-value float arithmetic (quant/triton_matvec.py, IQ2XXS_KERNEL_TABLE's docstring). The rounding changes
-the numbers, so it is a numerics of its own (`Engine.open(numerics="int8")`), never the default, and its fidelity
-against the f32 activation is measured, not assumed (experiments/README.md).
+multiplies per block, which the GPU does four values an instruction (dp4a): the two-bit expert kernels were bound
+by their per-value float arithmetic and their table lookups (quant/triton_matvec.py, `_iq2xxs_grid_words`). The
+rounding changes the numbers, so it is a numerics of its own (`Engine.open(numerics="int8")`), never the default,
+and its fidelity against the f32 activation is measured, not assumed (experiments/README.md).
 
 The product, per weight block b of 256 and activation block c of 32 (its 32 values in group g = c mod 8 of b):
   IQ2_XXS  y += d_b * sum_g (dx_c * f32((2 s_g + 1) * sum_32 w * q)) / 8        (w the signed grid value)

@@ -48,13 +48,6 @@ def supported(qtype, stack_bytes: int, layout: str) -> bool:
         and stack_bytes <= tm.MAX_STACK_BYTES
 
 
-def _sign_bytes() -> np.ndarray:
-    """uint8 [128]: sign index i's 8 sign bits, i | parity(i) << 7 (bit k set: value k of the octet is negative)."""
-    i = np.arange(128, dtype=np.uint8)
-    return i | (np.array([bin(int(v)).count("1") & 1 for v in i], np.uint8) << 7)
-
-
-IQ2XXS_SIGN_BYTES = _sign_bytes()
 
 
 def _dp4a_asm(a, b, c):
@@ -186,7 +179,7 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     if qtype == T.IQ2_XXS:
         load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
         dot = functools.partial(_dot_iq2_xxs_int8, dp4a=dp4a)
-        extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, IQ2XXS_SIGN_BYTES))
+        extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
     else:
         load = functools.partial(_load_q2_k_words, n_in=n_in)
         dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a)

@@ -21,7 +21,7 @@ Loads: a program's step gathers its [BO rows, NB blocks, ...] bytes with explici
 field's offset in the block), so any block size works and a warp's loads of a block's contiguous bytes coalesce;
 in the planar layout the quants start at block * P from the row's start (P = 16 for MXFP4, 32 for Q8_0), aligned,
 so Triton can load 16 bytes at once. MXFP4 decode: `_e2m1_doubled`, integer and float ops per value, no conversion
-or select. IQ2_XXS: two lookups of magnitude bytes and one of sign bits per 8 values (IQ2XXS_KERNEL_TABLE, from
+or select. IQ2_XXS: two lookups of magnitude bytes and one of sign bits per 8 values (IQ2XXS_GRID_WORDS, from
 the packed grid blocks.py builds from gguf-py's grid). The
 two-bit formats and Q8_0 turn their small integer codes into floats through 2^23's bits (`_small_int_to_f32`,
 `_field_to_f32`: no conversion instruction); IQ2_XXS reads x permuted octet-major (`_octet_major`). Each format's
@@ -295,9 +295,9 @@ def _field_to_f32(word, shift: int, mask: int):
     return lax.bitcast_convert_type(((word >> np.uint32(shift)) & np.uint32(mask)) | _MAGIC_U, jnp.float32) - _MAGIC_F
 
 
-def _iq2xxs_kernel_table() -> np.ndarray:
-    """The IQ2_XXS step's one lookup table, uint32: words 2g and 2g + 1 hold grid entry g's magnitudes (8, 25 or 43)
-    as bytes, values 0-3 and 4-7; word SIGNS_AT + i holds sign index i's 8 sign bits, i | parity(i) << 7.
+def _iq2xxs_grid_words() -> np.ndarray:
+    """The f32 IQ2_XXS step's grid table, uint32 [512]: words 2g and 2g + 1 hold grid entry g's magnitudes (8, 25 or
+    43) as bytes, values 0-3 and 4-7.
 
     Three other forms lost on the H200 (twenty-fifth session; us a call net of the loop in bench_kernels, decode of
     V4.1 4 layers in tok/s, the same bits in each): a bf16 table, four lookups an octet and one op a value, 40-44 us
@@ -308,13 +308,20 @@ def _iq2xxs_kernel_table() -> np.ndarray:
     lookups and its arithmetic together: neither can grow to shrink the other."""
     codes = (IQ2XXS_PACKED_GRID[:, None].astype(np.uint32) >> (2 * np.arange(8, dtype=np.uint32))) & 3
     mags = np.array([8, 25, 43], np.uint32)[codes].reshape(256, 2, 4)
-    words = (mags << (8 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32).reshape(512)
-    i = np.arange(128, dtype=np.uint32)
-    parity = np.array([bin(int(v)).count("1") & 1 for v in i], np.uint32)
-    return np.concatenate([words, i | (parity << 7)]).astype(np.uint32)
+    return (mags << (8 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32).reshape(512)
 
 
-IQ2XXS_KERNEL_TABLE, _IQ2_SIGNS_AT = _iq2xxs_kernel_table(), 512
+def _iq2xxs_sign_bytes() -> np.ndarray:
+    """uint8 [128]: sign index i's 8 sign bits, i | parity(i) << 7 (ggml's even parity; bit k: value k negative).
+    Bytes, not words: a warp's gather from a table of L 128-byte lines costs up to L L1 wavefronts, and this one is
+    one line (as uint32 words it was four). The f32 kernel took 24.0 us a call net of the loop against 26.5 with the
+    words (means of five calls each, spread 20-30; results/bench_kernels_signbytes_*_h200.jsonl); the int8 kernel
+    reads it too (quant/triton_int8.py)."""
+    i = np.arange(128, dtype=np.uint8)
+    return i | (np.array([bin(int(v)).count("1") & 1 for v in i], np.uint8) << 7)
+
+
+IQ2XXS_GRID_WORDS, IQ2XXS_SIGN_BYTES = _iq2xxs_grid_words(), _iq2xxs_sign_bytes()
 
 
 def _load_iq2_xxs(w_ref, rows, b, *, planar: bool, n_in: int):
@@ -326,12 +333,12 @@ def _load_iq2_xxs(w_ref, rows, b, *, planar: bool, n_in: int):
     return idx, aux, _f16_bytes(w_ref, rows[:, None], d_at[None, :])
 
 
-def _dot_iq2_xxs(loaded, x_ref, kx, b, tbl_ref, sign_ref=None):
+def _dot_iq2_xxs(loaded, x_ref, kx, b, grid_ref, sign_ref):
     """A 256-value block: f16 d, then 8 groups of (4 grid-index bytes, uint32 of 4 seven-bit sign indices and a
     4-bit scale s); planar rows hold every block's 64 group bytes first and the d's after them. Octet o = 4g + j
     (group g, slot j) holds 8 values: magnitudes from the grid entry of its index byte, signs from its sign index
-    (with ggml's even-parity bit 7), both looked up in IQ2XXS_KERNEL_TABLE. Per octet the sum over k = 0..7 of
-    mag_k * (+-x_k) in that order, times d * (0.5 + s) / 4, then over octets and blocks. x comes permuted
+    (with ggml's even-parity bit 7), looked up in IQ2XXS_GRID_WORDS and IQ2XXS_SIGN_BYTES. Per octet the sum over
+    k = 0..7 of mag_k * (+-x_k) in that order, times d * (0.5 + s) / 4, then over octets and blocks. x comes permuted
     (`_octet_major`): value 8o + k of a block at 32k + o.
 
     Why this shape: the octet's work (index and sign loads, the lookups, the scale) is done once on
@@ -348,9 +355,8 @@ def _dot_iq2_xxs(loaded, x_ref, kx, b, tbl_ref, sign_ref=None):
     aux = aux_bytes[0].astype(jnp.uint32)
     for byte in range(1, 4):
         aux = aux | (aux_bytes[byte].astype(jnp.uint32) << (8 * byte))
-    mags = (tbl_ref[2 * idx], tbl_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
-    s7 = ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)
-    signs = tbl_ref[_IQ2_SIGNS_AT + s7] if sign_ref is None else sign_ref[s7].astype(jnp.uint32)
+    mags = (grid_ref[2 * idx], grid_ref[2 * idx + 1])  # magnitude bytes of values 0-3 and 4-7
+    signs = sign_ref[((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)].astype(jnp.uint32)
     x_at = b[:, None, None] * 256 + g[0] * 4 + j[0]  # [NB, 8, 4]: octet o's value 0 in the permuted x
     acc = None
     for k in range(8):
@@ -530,10 +536,7 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
         raise ValueError(f"rows_matvec: a stack of {E * n_out * R} bytes needs 64-bit offsets")
     tile = tile or default_tile(qtype, K, n_out, n_in)
     bo, nb, warps, splits = check_tile(qtype, n_out, n_in, tile)
-    extra = ()
-    if qtype == T.IQ2_XXS:  # JDS41_IQ2_SIGN_BYTES=1: the sign bits from a 128-byte table (A/B, twenty-sixth session)
-        extra = (jnp.asarray(IQ2XXS_KERNEL_TABLE),) + ((jnp.asarray(IQ2XXS_KERNEL_TABLE[512:].astype(np.uint8)),)
-                                                      if os.environ.get("JDS41_IQ2_SIGN_BYTES") == "1" else ())
+    extra = (jnp.asarray(IQ2XXS_GRID_WORDS), jnp.asarray(IQ2XXS_SIGN_BYTES)) if qtype == T.IQ2_XXS else ()
     if qtype == T.IQ2_XXS:
         x_XI = _octet_major(x_XI)
     elif qtype == T.Q2_K and layout == "planar":
