@@ -29,6 +29,7 @@ from jds41 import model as M
 from jds41.checkpoints import open_model
 from jds41.errors import Jds41Error
 from jds41.layers.engram_rows import EngramHasher, MmapRowSource, read_step_rows
+from jds41.numerics import NUMERICS
 from jds41.prompt_pieces import SCAN_PIECE as PREFILL_CHUNK  # noqa: F401  (re-exported)
 from jds41.prompt_pieces import UNION_PIECES, chunk_tokens, prompt_pieces, run_piece
 from jds41.quant.planar import planar_params
@@ -40,11 +41,6 @@ from jds41.weights import load_params, matrix_names
 
 READ_AHEAD_THREAD = "jds41-engram-ahead"  # the name of the thread reading a prompt's next Engram rows
 DEFAULT_PREFILL_CHUNK = 4096  # tokens per layer-major prefill group (0 = token-major only, the reference path)
-# Engine.open(numerics=...) -> QTensor.act_round. "llamacpp" rounds activations before quantized products as
-# llama.cpp's CPU backend does (Q8_0 blocks for Q8_0/MXFP4 weights, F16 for F16), to compare against it tightly.
-# "int8" rounds the activation of the two-bit formats' products (IQ2_XXS, Q2_K) to int8 blocks of 32, as llama.cpp's
-# CUDA backend does, so the GPU computes them as integer dot products (quant/int8_act.py): faster, not the same bits.
-NUMERICS = {"jds41": None, "llamacpp": "ggml-cpu", "int8": "int8"}
 
 
 class RequestError(Jds41Error, ValueError):

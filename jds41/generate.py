@@ -35,6 +35,7 @@ from jds41.compile_cache import enable_compile_cache
 from jds41.decode_loop import greedy_generate
 from jds41.engine import Engine, SamplingParams
 from jds41.errors import Jds41Error
+from jds41.numerics import NUMERICS
 from jds41.speculative import VERIFY_MODES, DSparkDrafter, SpeculativeSession
 
 
@@ -58,6 +59,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
                     help="keep compiled programs here across runs (default $JAX_COMPILATION_CACHE_DIR, else "
                          "~/.cache/jds41/xla; 'off': compile every run; jds41/compile_cache.py)")
+    ap.add_argument("--numerics", default="jds41", choices=sorted(NUMERICS),
+                    help="activation numerics (default jds41: f32; int8: the two-bit experts' products read int8 "
+                    "activations, faster on the GPU, not the same bits)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--logits", metavar="FILE.npy", help="save the logits of every prompt position and step")
     ap.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
     enable_compile_cache(args.compile_cache)  # before anything compiles
     engine = Engine.open(args.model, max_ctx=args.ctx, profile=args.profile, usage=args.usage, progress=True,
                          prefill_chunk=args.prefill_chunk, decode_width=args.decode_width,
-                         prompt_width=args.prompt_width)
+                         prompt_width=args.prompt_width, numerics=args.numerics)
     prompt = _prompt_ids(args, engine)
     if not prompt:
         raise Jds41Error("the prompt is empty")

@@ -5,14 +5,17 @@ interpreter, with the dp4a spelled as shifts and multiplies) against a float64 p
 weights with the rounded activation; the dp4a spelling against numpy's int8 dot; the wiring (which products round,
 which lower to which kernel on CUDA); and an engine opened with numerics="int8": the device loop gives the step
 loop's tokens, a three-tier placement gives the resident bits, and the logits differ from the f32 activation's
-(the numerics is really on) by little. On a GPU (marker `gpu`): the compiled kernel against the XLA product at
-V4.1's expert shapes.
+(the numerics is really on) by little; the server's and generate's --numerics. On a GPU (marker `gpu`): the
+compiled kernel against the XLA product at V4.1's expert shapes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import gguf
 import jax
@@ -167,3 +170,29 @@ def test_the_compiled_int8_kernel_agrees_with_the_xla_product_on_the_gpu(qtype, 
     got = np.asarray(jax.jit(lambda q, d, r, i: rows_matvec_int8(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
     want = np.asarray(jax.jit(lambda q, d, r, i: xla_int8_rows_matvec(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
     assert np.isfinite(got).all() and _rel(got, want.astype(np.float64)) < 1e-5
+
+
+def test_the_server_and_generate_command_lines_take_the_numerics(tmp_path, capsys):
+    from jds41.generate import main as generate
+    from jds41.serve.__main__ import parse
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")  # parse only checks that the file exists
+    assert parse([str(model)])[1].numerics == "jds41"
+    assert parse([str(model), "--numerics", "int8"])[1].numerics == "int8"
+    for cli in (parse, generate):
+        with pytest.raises(SystemExit):
+            cli([str(model), "--numerics", "fp4"])
+        assert "invalid choice: 'fp4'" in capsys.readouterr().err
+
+
+def test_generate_under_int8_numerics_leaves_a_model_without_two_bit_weights_as_it_was():
+    """The shipped tiny V4.1 file holds Q8_0 experts: "int8" rounds only the two-bit formats' activations, so its
+    tokens and logits are the default numerics' (the flag reaches the engine without touching other products)."""
+    model = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-deepseek41-q8.gguf"
+    runs = [subprocess.run([sys.executable, "-m", "jds41.generate", str(model), "--tokens", "5,6,7,8", "-n", "4",
+                            "--json", *extra], capture_output=True, text=True, timeout=300) for extra in
+            ((), ("--numerics", "int8"))]
+    assert all(r.returncode == 0 for r in runs), runs[1].stderr[-2000:]
+    outs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+    assert outs[0]["tokens"] == outs[1]["tokens"] and len(outs[0]["tokens"]) == 4

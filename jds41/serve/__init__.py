@@ -42,3 +42,4 @@ class ServeOptions:
     prefix_cache_bytes: int = 0  # host-memory budget of the prefix cache (jds41/prefix_cache.py); 0 = off
     prefix_cache_dir: str | None = None  # keep prefix snapshots here too, across restarts
     compile_cache: str | None = None  # compiled programs kept across restarts (jds41/compile_cache.py); "off" = none
+    numerics: str = "jds41"  # Engine.open's activation numerics (jds41/numerics.py)

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 
+from jds41.numerics import NUMERICS
 from jds41.serve import DEFAULT_PROFILE, ServeOptions
 from jds41.tiers.profiles import ProfileError, load_profile, shipped_profiles
 
@@ -56,6 +57,10 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
     ap.add_argument("--compile-cache", default=None, metavar="DIR|off",
                     help="keep compiled programs here, so a restart is ready sooner (default "
                     "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/jds41/xla; 'off': compile at every start)")
+    ap.add_argument("--numerics", default="jds41", choices=sorted(NUMERICS),
+                    help="activation numerics (default jds41: f32 activations; int8: the two-bit experts' products "
+                    "read int8 activations, faster on the GPU and not the same bits; experiments/README.md has its "
+                    "fidelity)")
     ap.add_argument("--load-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -84,7 +89,7 @@ def parse(argv: list[str] | None = None) -> tuple[str, ServeOptions]:
                                     prefill_budget=args.prefill_budget,
                                     decode_width=args.decode_width, prompt_width=args.prompt_width,
                                     prefix_cache_bytes=args.prefix_cache_bytes, prefix_cache_dir=args.prefix_cache_dir,
-                                    compile_cache=args.compile_cache)
+                                    compile_cache=args.compile_cache, numerics=args.numerics)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,7 +123,7 @@ class ModelLoader:
         engine = Engine.open(self.path, max_ctx=o.ctx, prefill_chunk=o.prefill_chunk, decode_width=o.decode_width,
                              prompt_width=o.prompt_width,
                              prefix_cache_bytes=o.prefix_cache_bytes, prefix_cache_dir=o.prefix_cache_dir,
-                             profile=None if resident else o.profile)
+                             profile=None if resident else o.profile, numerics=o.numerics)
         drafter = None
         if o.draft is not None:
             from jds41.speculative import DSparkDrafter
