@@ -2,7 +2,8 @@
 
 On every machine: the rounding against a numpy re-derivation; the XLA integer product and the kernel (Pallas'
 interpreter, with the dp4a spelled as shifts and multiplies) against a float64 product of gguf-py's dequantized
-weights with the rounded activation; the dp4a spelling against numpy's int8 dot; the wiring (which products round,
+weights with the rounded activation; the dp4a spelling against numpy's int8 dot; the packed IQ2_XXS octet
+arithmetic over every grid entry and sign index against gguf-py's grid and ksigns; the wiring (which products round,
 which lower to which kernel on CUDA); and an engine opened with numerics="int8": the device loop gives the step
 loop's tokens, a three-tier placement gives the resident bits, and the logits differ from the f32 activation's
 (the numerics is really on) by little; the server's and generate's --numerics. On a GPU (marker `gpu`): the
@@ -25,10 +26,12 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from jds41.quant import QTensor, qmatvec_experts
+from jds41.quant.blocks import IQ2XXS_PACKED_GRID
 from jds41.quant.int8_act import int8_values, round_int8, xla_int8_rows_matvec
 from jds41.quant.planar import to_planar
 from jds41.quant.random_blocks import random_quantized
-from jds41.quant.triton_int8 import KINDS, _dp4a_plain, rows_matvec_int8
+from jds41.quant.triton_int8 import KINDS, _dp4a_plain, _octets, rows_matvec_int8
+from jds41.quant.triton_matvec import IQ2XXS_SIGN_BYTES
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 KIND_LIST = sorted(KINDS, key=lambda k: (k[0].name, k[1]))
@@ -72,9 +75,30 @@ def test_dp4a_spelled_in_shifts_is_the_signed_byte_dot_product():
     rng = np.random.default_rng(1)
     a, b = (rng.integers(-128, 128, (64, 4)).astype(np.int8) for _ in range(2))
     c = rng.integers(-1 << 20, 1 << 20, 64).astype(np.int32)
-    words = lambda v: jnp.asarray(v.view(np.int32)[:, 0])  # noqa: E731 (bytes k = 0..3 of each word, little-endian)
+    words = lambda v: jnp.asarray(v.view(np.int32)[:, 0])  # (bytes k = 0..3 of each word, little-endian)
     got = np.asarray(_dp4a_plain(words(a), words(b), jnp.asarray(c)))
     np.testing.assert_array_equal(got, (a.astype(np.int32) * b).sum(axis=1) + c)
+
+
+def test_every_grid_entry_and_sign_index_gives_gguf_pys_signed_octet():
+    """The packed step's octet arithmetic (`_octets`: codes to magnitude bytes, sign bits to byte masks, dp4a(m, x) -
+    2 dp4a(m & M, x)) over all 256 grid entries x 128 sign indices, with x = one-hot per value, against gguf-py's
+    grid and ksigns: each value of every octet comes out as gguf-py's signed grid value."""
+    iq = gguf.quants.IQ2_XXS
+    iq.init_grid()
+    grid = np.asarray(iq.grid, np.int64).reshape(256, 8)
+    ksigns = np.frombuffer(iq.ksigns, np.uint8)
+    idx, s7 = (a.reshape(-1) for a in np.meshgrid(np.arange(256), np.arange(128), indexing="ij"))
+    want = grid[idx] * np.where((ksigns[s7][:, None] >> np.arange(8)) & 1, -1, 1)  # [256 * 128, 8]
+    got = np.empty_like(want)
+    for k in range(8):  # x = 1 at value k alone: the octet's sum is its value k
+        one_hot = np.zeros(8, np.int8)
+        one_hot[k] = 1
+        xl, xh = (jnp.asarray(np.full(idx.size, v, np.int32)) for v in one_hot.view(np.int32))
+        got[:, k] = np.asarray(_octets(jnp.asarray(idx, jnp.int32), jnp.asarray(s7, jnp.int32), xl, xh,
+                                       jnp.asarray(IQ2XXS_PACKED_GRID), jnp.asarray(IQ2XXS_SIGN_BYTES),
+                                       dp4a=_dp4a_plain))
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K])

@@ -367,10 +367,10 @@ def _int8_rows_matvec(x_XI: jax.Array, w: QTensor, raw_EOR: jax.Array, idx_K: ja
     """The one-token product of "int8" numerics: x [1 or K, I] rounded to int8 blocks, then the integer dot product
     of quant/int8_act.py, by the dp4a kernel on CUDA (quant/triton_int8.py) where it takes the rows, else by XLA."""
     q, d = round_int8(x_XI)
-    xla = lambda q, d, raw, idx: xla_int8_rows_matvec(q, d, raw, idx, w.qtype, w.layout)  # noqa: E731
+    xla = lambda q, d, raw, idx: xla_int8_rows_matvec(q, d, raw, idx, w.qtype, w.layout)
     if not triton_int8.supported(w.qtype, w.nbytes, w.layout):
         return xla(q, d, raw_EOR, idx_K)
     if triton_matvec.INTERPRET:
         return triton_int8.rows_matvec_int8(q, d, raw_EOR, idx_K, w.qtype, w.layout, interpret=True, tile=tile)
-    kernel = lambda q, d, raw, idx: triton_int8.rows_matvec_int8(q, d, raw, idx, w.qtype, w.layout, tile=tile)  # noqa: E731
+    kernel = lambda q, d, raw, idx: triton_int8.rows_matvec_int8(q, d, raw, idx, w.qtype, w.layout, tile=tile)
     return lax.platform_dependent(q, d, raw_EOR, idx_K, cuda=kernel, default=xla)

@@ -371,7 +371,7 @@ def place_experts(params: dict, stores, layout, host_fetch: str = "selected", le
     # every QTensor of a loaded model carries the engine's activation numerics; the stores' stacks take it too
     act_round = next((v.act_round for v in jax.tree.leaves(params["blocks"], is_leaf=_is_qtensor) if _is_qtensor(v)),
                      None)
-    numerics = lambda stacks: {k: dataclasses.replace(v, act_round=act_round) for k, v in stacks.items()}  # noqa: E731
+    numerics = lambda stacks: {k: dataclasses.replace(v, act_round=act_round) for k, v in stacks.items()}
     blocks = []
     for layer, block in enumerate(params["blocks"]):
         if layer in layout.layers:
