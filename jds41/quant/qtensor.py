@@ -318,15 +318,15 @@ def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array, til
                           preferred_element_type=jnp.float32)
 
     layout = w_stack.layout
-    tile = None
-    if tile_k is not None:
-        tile = triton_matvec.default_tile(w_stack.qtype, tile_k, w_stack.data.shape[-2], w_stack.n_cols)
+    # a kernel's tile (formats the kernels take only)
+    tile = lambda: None if tile_k is None else triton_matvec.default_tile(  # noqa: E731
+        w_stack.qtype, tile_k, w_stack.data.shape[-2], w_stack.n_cols)
     if _int8(w_stack):
-        return _int8_rows_matvec(x.reshape(-1, x.shape[-1]), w_stack, jnp.asarray(w_stack.data), expert_idx_K, tile)
+        return _int8_rows_matvec(x.reshape(-1, x.shape[-1]), w_stack, jnp.asarray(w_stack.data), expert_idx_K, tile())
     x_XI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
     if not _kernel_applies(w_stack):
         return xla_rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout)
-    return rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout, tile=tile)
+    return rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout, tile=tile())
 
 
 def xla_rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml") -> jax.Array:
