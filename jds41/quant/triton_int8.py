@@ -163,17 +163,11 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
                      layout: str = "planar", interpret: bool = False, tile: tuple[int, ...] | None = None) -> jax.Array:
     """`int8_act.xla_int8_rows_matvec` on the GPU: q int8 [1 or K, I], d f32 [1 or K, I / 32] (`round_int8`), raw
     rows [E, O, R] -> f32 [K, O]. `interpret` and `tile` as `triton_matvec.rows_matvec`."""
-    E, n_out, R = raw_EOR.shape
     K, X, n_in = idx_K.shape[0], q_XI.shape[0], q_XI.shape[1]
-    if (qtype, layout) not in KINDS:
-        raise ValueError(f"rows_matvec_int8 does not take {qtype.name} rows in the {layout} layout")
-    values, block, _ = tm.BLOCKS[qtype]
-    if n_in % values or R != n_in // values * block or X not in (1, K) or d_XC.shape != (X, n_in // BLOCK):
-        raise ValueError(f"rows_matvec_int8: rows of {R} bytes for {n_in} inputs, x with {X} rows and scales "
-                         f"{d_XC.shape} for {K} indices")
-    if E * n_out * R > tm.MAX_STACK_BYTES:
-        raise ValueError(f"rows_matvec_int8: a stack of {E * n_out * R} bytes needs 64-bit offsets")
-    bo, nb, warps, splits = tm.check_tile(qtype, n_out, n_in, tile or tm.default_tile(qtype, K, n_out, n_in))
+    bo, nb, warps, splits = tm.checked_tile("rows_matvec_int8", KINDS, qtype, layout, raw_EOR, K, X, n_in, tile)
+    if d_XC.shape != (X, n_in // BLOCK):
+        raise ValueError(f"rows_matvec_int8: scales {d_XC.shape} for x with {X} rows of {n_in}")
+    values = tm.BLOCKS[qtype][0]
     dp4a = _dp4a_plain if interpret else _dp4a_asm
     q_XI = jnp.asarray(q_XI, jnp.int8)
     if qtype == T.IQ2_XXS:

@@ -507,10 +507,19 @@ def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, step
     return functools.reduce(operator.add, (parts[s] for s in range(1, splits)), parts[0])
 
 
-def check_tile(qtype, n_out: int, n_in: int, tile) -> tuple[int, int, int, int]:
-    """`tile` (BO, NB, warps[, splits = 1]) as four, checked against the shape."""
-    values = BLOCKS[qtype][0]
-    bo, nb, warps, splits = (*tile, 1)[:4]
+def checked_tile(name: str, kinds, qtype, layout: str, raw_EOR, K: int, X: int, n_in: int,
+                 tile) -> tuple[int, int, int, int]:
+    """The checks a kernel entry `name` makes of its rows (one of `kinds`, whole blocks, under 2^31 bytes) and of x
+    (1 or K rows), then its tile (BO, NB, warps, splits): `tile` (splits 1 when left out) or the shape's."""
+    E, n_out, R = raw_EOR.shape
+    if (qtype, layout) not in kinds:
+        raise ValueError(f"{name} does not take {qtype.name} rows in the {layout} layout")
+    values, block, _ = BLOCKS[qtype]
+    if n_in % values or R != n_in // values * block or X not in (1, K):
+        raise ValueError(f"{name}: rows of {R} bytes for {n_in} inputs, x with {X} rows for {K} indices")
+    if E * n_out * R > MAX_STACK_BYTES:
+        raise ValueError(f"{name}: a stack of {E * n_out * R} bytes needs 64-bit offsets")
+    bo, nb, warps, splits = (*tile, 1)[:4] if tile else default_tile(qtype, K, n_out, n_in)
     if n_out % bo or (n_in // values) % (nb * splits):
         raise ValueError(f"tile ({bo}, {nb}, splits {splits}) does not divide {n_out} rows of {n_in // values} blocks")
     return bo, nb, warps, splits
@@ -525,17 +534,9 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
     platform: the CPU tests); `tile` (BO, NB, warps[, splits]) overrides the tile for benchmarks (BO must divide O,
     and NB * splits the row's blocks: each of `splits` programs sums its share of a row's steps, and the shares'
     sums are added in split order)."""
-    E, n_out, R = raw_EOR.shape
-    K, X, n_in = idx_K.shape[0], x_XI.shape[0], x_XI.shape[1]
-    if (qtype, layout) not in KINDS:
-        raise ValueError(f"rows_matvec does not take {qtype.name} rows in the {layout} layout")
-    values, block, _ = BLOCKS[qtype]
-    if n_in % values or R != n_in // values * block or X not in (1, K):
-        raise ValueError(f"rows_matvec: rows of {R} bytes for {n_in} inputs, x with {X} rows for {K} indices")
-    if E * n_out * R > MAX_STACK_BYTES:
-        raise ValueError(f"rows_matvec: a stack of {E * n_out * R} bytes needs 64-bit offsets")
-    tile = tile or default_tile(qtype, K, n_out, n_in)
-    bo, nb, warps, splits = check_tile(qtype, n_out, n_in, tile)
+    K, n_in = idx_K.shape[0], x_XI.shape[1]
+    bo, nb, warps, splits = checked_tile("rows_matvec", KINDS, qtype, layout, raw_EOR, K, x_XI.shape[0], n_in, tile)
+    values = BLOCKS[qtype][0]
     extra = (jnp.asarray(IQ2XXS_GRID_WORDS), jnp.asarray(IQ2XXS_SIGN_BYTES)) if qtype == T.IQ2_XXS else ()
     if qtype == T.IQ2_XXS:
         x_XI = _octet_major(x_XI)
