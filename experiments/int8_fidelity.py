@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jds41.engine import Engine
+    from jds41.quant import qtensor
 
     if a.round_formats:
         _round_more_formats(a.round_formats)
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": " ".join(sys.argv), "model": os.path.basename(a.model),
            "tokens": "random" if a.random else f"{len(docs)} held-out {a.kind} documents of {a.length}",
            "products": "decode steps" if a.steps else "prompt pass", "also_rounded": a.round_formats or None,
+           "int8_types": sorted(t.name for t in qtensor.INT8_TYPES),
            "positions": int(pool["top1"].size), "top1_agreement": round(float(pool["top1"].mean()), 5),
            "kl_mean": float(pool["kl"].mean()), "kl_max": float(pool["kl"].max()),
            "rel_logit_diff_mean": float(pool["rel"].mean()), "rel_logit_diff_max": float(pool["rel"].max()),

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from jds41.quant import QTensor, qmatvec_experts
+from jds41.quant import QTensor, int8_act, qmatvec_experts, qtensor
 from jds41.quant.blocks import IQ2XXS_PACKED_GRID
 from jds41.quant.int8_act import int8_values, round_int8, xla_int8_rows_matvec
 from jds41.quant.planar import to_planar
@@ -101,7 +101,7 @@ def test_every_grid_entry_and_sign_index_gives_gguf_pys_signed_octet():
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K])
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K, T.Q8_0])
 @pytest.mark.parametrize("layout", ["ggml", "planar"])
 def test_the_xla_integer_product_equals_a_float64_reference(qtype, layout):
     rng = np.random.default_rng(2)
@@ -129,7 +129,7 @@ def test_the_interpreted_int8_kernel_equals_the_reference(qtype, layout, x_rows)
         assert got.shape == (5, 24) and _rel(got, want) < 1e-6, tile
 
 
-def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda():
+def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda(monkeypatch):
     rng = np.random.default_rng(4)
     x, idx = jnp.ones(512, jnp.float32), jnp.arange(3, dtype=jnp.int32)
 
@@ -147,6 +147,14 @@ def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda():
     rounded = qmatvec_experts(xs, QTensor.from_raw(mx, T.MXFP4, (8, 32, 512), act_round="int8"), idx)
     np.testing.assert_array_equal(np.asarray(rounded), np.asarray(qmatvec_experts(xs, QTensor.from_raw(
         mx, T.MXFP4, (8, 32, 512)), idx)))
+    # Q8_0 rounds only where the numerics is told to (JDS41_INT8_Q8_0=1 sets INT8_TYPES at import)
+    q8_rows = random_quantized(rng, T.Q8_0, (8, 32, 512))
+    q8 = QTensor.from_raw(q8_rows, T.Q8_0, (8, 32, 512), act_round="int8").with_layout(to_planar(q8_rows, T.Q8_0),
+                                                                                       "planar")
+    text = lowered(q8)
+    assert "rows_matvec_q8_0_planar" in text and "rows_matvec_int8" not in text
+    monkeypatch.setattr(qtensor, "INT8_TYPES", int8_act.PRODUCT_TYPES)
+    assert "rows_matvec_int8_q8_0_planar" in lowered(q8)
 
 
 def _two_bit_model(tmp_path) -> str:
@@ -183,7 +191,8 @@ def test_an_int8_engine_keeps_its_invariances_and_stays_near_the_f32_activation(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("qtype,n_out,n_in,X", [(T.IQ2_XXS, 2304, 5120, 1), (T.Q2_K, 5120, 2304, 6)])
+@pytest.mark.parametrize("qtype,n_out,n_in,X", [(T.IQ2_XXS, 2304, 5120, 1), (T.Q2_K, 5120, 2304, 6),
+                                                (T.Q8_0, 5120, 8192, 1), (T.Q8_0, 1024, 4096, 6)])
 def test_the_compiled_int8_kernel_agrees_with_the_xla_product_on_the_gpu(qtype, n_out, n_in, X):
     rng = np.random.default_rng(6)
     one = random_quantized(rng, qtype, (1, n_out, n_in))
@@ -210,13 +219,24 @@ def test_the_server_and_generate_command_lines_take_the_numerics(tmp_path, capsy
         assert "invalid choice: 'fp4'" in capsys.readouterr().err
 
 
-def test_generate_under_int8_numerics_leaves_a_model_without_two_bit_weights_as_it_was():
-    """The shipped tiny V4.1 file holds Q8_0 experts: "int8" rounds only the two-bit formats' activations, so its
-    tokens and logits are the default numerics' (the flag reaches the engine without touching other products)."""
+def test_generate_under_int8_numerics_rounds_q8_0_products_only_when_told(tmp_path):
+    """The shipped tiny V4.1 file holds Q8_0 weights only: "int8" rounds the two-bit formats' activations, so its
+    tokens and logits are the default numerics' (the flag reaches the engine without touching other products);
+    with JDS41_INT8_Q8_0=1 the Q8_0 products read int8 too, and the logits move by little."""
+    import os
+
     model = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-deepseek41-q8.gguf"
-    runs = [subprocess.run([sys.executable, "-m", "jds41.generate", str(model), "--tokens", "5,6,7,8", "-n", "4",
-                            "--json", *extra], capture_output=True, text=True, timeout=300) for extra in
-            ((), ("--numerics", "int8"))]
-    assert all(r.returncode == 0 for r in runs), runs[1].stderr[-2000:]
+    runs, logits = [], []
+    for i, (extra, env) in enumerate((((), {}), (("--numerics", "int8"), {}),
+                                      (("--numerics", "int8"), {"JDS41_INT8_Q8_0": "1"}))):
+        out = tmp_path / f"logits{i}.npy"
+        runs.append(subprocess.run([sys.executable, "-m", "jds41.generate", str(model), "--tokens", "5,6,7,8", "-n",
+                                    "4", "--json", "--logits", str(out), *extra], capture_output=True, text=True,
+                                   timeout=300, env={**os.environ, "JDS41_INT8_Q8_0": "0", **env}))
+        assert runs[-1].returncode == 0, runs[-1].stderr[-2000:]
+        logits.append(np.load(out))
     outs = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
     assert outs[0]["tokens"] == outs[1]["tokens"] and len(outs[0]["tokens"]) == 4
+    np.testing.assert_array_equal(logits[0], logits[1])
+    assert logits[2].shape == logits[0].shape and not np.array_equal(logits[2], logits[0])
+    assert _rel(logits[2], logits[0].astype(np.float64)) < 0.1

@@ -75,8 +75,8 @@ def grouped_routed_experts(x_TD: jax.Array, gate_exps, up_exps, down_exps, idx_T
         x = x_TD[pair // K]
         weight = weight_P[pair][:, None]
         h = swiglu(qmatmul_expert(x, gate_exps, e), qmatmul_expert(x, up_exps, e), limit)
-        # the routing weight before or after W_down, as moe.routed_experts (llama.cpp's order under act_round)
-        if down_exps.act_round is None:
+        # the routing weight before or after W_down, as moe.expert_outputs (llama.cpp's order where W_down rounds)
+        if not down_exps.rounds_activation:
             y = qmatmul_expert(h * weight, down_exps, e)
         else:
             y = qmatmul_expert(h, down_exps, e) * weight

@@ -53,8 +53,8 @@ def expert_outputs(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Arr
     g_KF = qmatvec_experts(x_D, gate_exps, idx_K, tile_k=tile_k)
     u_KF = qmatvec_experts(x_D, up_exps, idx_K, tile_k=tile_k)
     # llama.cpp (build_moe_ffn) scales by the routing weight AFTER W_down. Exact algebra makes the order moot, but
-    # under its activation rounding (act_round set: Q8_0 rounds h, not weight*h) it is not: follow llama.cpp there.
-    if down_exps.act_round is None:
+    # where W_down rounds its activation (Q8_0 rounds h, not weight*h) it is not: follow llama.cpp there.
+    if not down_exps.rounds_activation:
         return qmatvec_experts(swiglu(g_KF, u_KF, limit) * weight_K[:, None], down_exps, idx_K, tile_k=tile_k)
     return qmatvec_experts(swiglu(g_KF, u_KF, limit), down_exps, idx_K, tile_k=tile_k) * weight_K[:, None]
 

@@ -16,21 +16,28 @@ The product, per weight block b of 256 and activation block c of 32 (its 32 valu
   IQ2_XXS  y += d_b * sum_g (dx_c * f32((2 s_g + 1) * sum_32 w * q)) / 8        (w the signed grid value)
   Q2_K     y += d_b * sum_j (dx_j * f32(sc_j * sum_16 code * q)) - dmin_b * sum_j (dx_j * f32(m_j * sum_16 q))
            over the 16 sub-blocks j of 16 values, dx_j the scale of the activation block holding j.
+  Q8_0     y += d_b * (dx_b * f32(sum_32 w * q))                                 (blocks of 32: b = c)
 Integer sums are exact; the float sums run in a fixed order here (left to right, so a product's bits do not depend
 on its shape) and in the kernel's order on the GPU (quant/triton_int8.py), which agree to f32 rounding.
 """
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as T
+from jax import lax
 
 from jds41.quant.blocks import _f16, iq2_xxs_integers
 from jds41.quant.planar import _unpack_crumbs, block_parts
 
-INT8_TYPES = frozenset({T.IQ2_XXS, T.Q2_K})  # the formats whose products the "int8" numerics rounds x for
+PRODUCT_TYPES = frozenset({T.IQ2_XXS, T.Q2_K, T.Q8_0})  # the formats the integer product takes
+# the formats whose products the "int8" numerics rounds x for (JDS41_INT8_Q8_0=0, read at import: the two-bit ones
+# alone, for A/B measurements)
+INT8_TYPES = PRODUCT_TYPES if os.environ.get("JDS41_INT8_Q8_0", "0") == "1" else frozenset({T.IQ2_XXS, T.Q2_K})
 BLOCK = 32  # activation values per int8 block
 
 
@@ -67,8 +74,8 @@ def xla_int8_rows_matvec(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, i
                          layout: str = "ggml") -> jax.Array:
     """y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i] with x = int8 blocks (q [1 or K, I], d [1 or K, I / 32]) and W
     raw IQ2_XXS or Q2_K rows [E, O, R] in `layout`, by the module's formula -> f32 [K, O]; indices clamped."""
-    if qtype not in INT8_TYPES:
-        raise ValueError(f"the int8 product takes {sorted(t.name for t in INT8_TYPES)}, not {T(qtype).name}")
+    if qtype not in PRODUCT_TYPES:
+        raise ValueError(f"the int8 product takes {sorted(t.name for t in PRODUCT_TYPES)}, not {T(qtype).name}")
     raw_KOR = jnp.take(jnp.asarray(raw_EOR), idx_K, axis=0, mode="clip")
     scales, quants = block_parts(raw_KOR, qtype, layout)  # [K, O, nb, h], [K, O, nb, p]
     nb = scales.shape[-2]
@@ -79,6 +86,10 @@ def xla_int8_rows_matvec(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, i
         isum = jnp.sum(w * q.reshape(*q.shape[:2], nb, 8, 32), axis=-1)
         per_group = dx.reshape(*dx.shape[:2], nb, 8) * (isum * ls).astype(jnp.float32)
         per_block = _f16(scales) * _last_axis_chain(per_group) * np.float32(0.125)  # [K, O, nb]
+    elif qtype == T.Q8_0:
+        isum = jnp.sum(lax.bitcast_convert_type(quants, jnp.int8).astype(jnp.int32) * q.reshape(*q.shape[:2], nb, 32),
+                       axis=-1)
+        per_block = _f16(scales) * (dx * isum.astype(jnp.float32))
     else:
         codes = _unpack_crumbs(quants).reshape(*quants.shape[:-1], 16, 16).astype(jnp.int32)  # [K, O, nb, 16, 16]
         sc = scales[..., :16].astype(jnp.int32)

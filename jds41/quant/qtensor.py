@@ -136,6 +136,13 @@ class QTensor:
         """Bytes of storage the leaf holds (what a tier budget counts)."""
         return math.prod(self.data.shape) * np.dtype(self.data.dtype).itemsize
 
+    @property
+    def rounds_activation(self) -> bool:
+        """Whether a product with this tensor reads its activation rounded (`_act`), so that x and weight * x give
+        products that differ by more than the weight: "ggml-cpu" follows llama.cpp in every product, "int8" rounds
+        for its formats only."""
+        return self.qtype in INT8_TYPES if self.act_round == "int8" else self.act_round is not None
+
     def dequantize(self) -> jax.Array:
         """All values as f32, shape `data.shape[:-1] + (n_cols,)`. Traceable; materializes f32 unless fused."""
         return _values(self.data, self.qtype, self.layout)

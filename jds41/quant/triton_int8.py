@@ -26,6 +26,7 @@ Q2_K (planar rows only): a sub-block's 16 codes are one word, code u of each byt
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,10 @@ from jds41.quant.blocks import IQ2XXS_PACKED_GRID
 from jds41.quant.int8_act import BLOCK
 
 # (qtype, layout) pairs this kernel reads: what an engine with the kernels holds (planar), and IQ2_XXS as in the file
-KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar")})
+KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar"), (T.Q8_0, "planar")})
+# Q8_0's step: "packs" (dp4a over a thread's packs of four loaded bytes) or "words" (bytes assembled into words
+# first); read at import, for A/B measurements
+_Q8_0_FORM = os.environ.get("JDS41_INT8_Q8_0_FORM", "packs")
 _BYTE_ONES = np.int32(0x01010101)
 
 
@@ -68,6 +72,25 @@ def _dp4a_plain(a, b, c):
         up = np.int32(24 - 8 * k)
         acc = acc + ((a << up) >> 24) * ((b << up) >> 24)  # arithmetic shifts sign-extend byte k
     return acc
+
+
+def _dp4a_packs_asm(a, b):
+    """int8 a, b (one shape) -> int32: per pack of four elements a thread holds, dp4a of the pack's bytes in its
+    first element and 0 in the other three. Triton hands inline assembly with pack=4 four int8 elements as one
+    32-bit register, so the weight's loaded bytes are dotted as they sit, with no assembly into words. Which four
+    elements form a pack is Triton's register layout; a and b share it, so pairs stay pairs, and the caller sums
+    whole blocks (a thread's 4 consecutive elements of a 32-value block: the GPU test checks it against XLA)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    [out] = plgpu.elementwise_inline_asm(
+        "{ mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; dp4a.s32.s32 $0, $4, $5, $1; }", args=[a, b],
+        constraints="=r,=r,=r,=r,r,r", pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)])
+    return out
+
+
+def _dp4a_packs_plain(a, b):
+    """`_dp4a_packs_asm` summed over any whole blocks: the products themselves (the interpreter's spelling)."""
+    return a.astype(jnp.int32) * b.astype(jnp.int32)
 
 
 def _code_bytes(p):
@@ -152,6 +175,42 @@ def _dot_q2_k_int8(loaded, x_ref, kx, b, d_ref, *, dp4a):
     return jnp.sum(tm._f16_value(d_bytes) * scaled - tm._f16_value(dmin_bytes) * mins, axis=1)
 
 
+def _load_q8_0_bytes(w_ref, rows, b, *, n_in: int):
+    """Planar Q8_0: a step's quant bytes [BO, NB, 32] (contiguous from the row's start), f16 scale bytes."""
+    quants = w_ref[rows[:, None, None], (b[:, None] * 32 + tm._ar(32, 1, 2))[None]]
+    return quants, tm._f16_bytes(w_ref, rows[:, None], (n_in + 2 * b)[None, :])
+
+
+def _load_q8_0_words(w_ref, rows, b, *, n_in: int):
+    """Planar Q8_0: a step's quants as words [BO, NB, 8] (a word's byte k: value 4w + k), f16 scale bytes."""
+    at = b[None, :, None, None] * 32 + tm._ar(8, 2, 4) * 4 + tm._ar(4, 3, 4)
+    quants = w_ref[rows[:, None, None, None], at].astype(jnp.uint32) << (tm._ar(4, 3, 4) * 8).astype(jnp.uint32)
+    words = lax.bitcast_convert_type(jnp.sum(quants, axis=3), jnp.int32)  # the shifted bytes do not overlap
+    return words, tm._f16_bytes(w_ref, rows[:, None], (n_in + 2 * b)[None, :])
+
+
+def _q8_0_block_sums(isum, scale_bytes, d_ref, kx, b):
+    """d_b * (dx_b * f32(block's integer sum)), summed over the step's blocks."""
+    dx = d_ref[kx, b][None]  # [1, NB]
+    return jnp.sum(tm._f16_value(scale_bytes) * (dx * isum.astype(jnp.float32)), axis=1)
+
+
+def _dot_q8_0_packs(loaded, x_ref, kx, b, d_ref, *, dp4a_packs):
+    """A block's 32 int8 weights with x's 32 int8 values by packs of four (`_dp4a_packs_asm`), x as bytes."""
+    quants, scale_bytes = loaded
+    xq = x_ref[kx, b[:, None] * 32 + tm._ar(32, 1, 2)][None]  # [1, NB, 32] int8
+    isum = jnp.sum(dp4a_packs(lax.bitcast_convert_type(quants, jnp.int8), jnp.broadcast_to(xq, quants.shape)), axis=2)
+    return _q8_0_block_sums(isum, scale_bytes, d_ref, kx, b)
+
+
+def _dot_q8_0_words(loaded, x_ref, kx, b, d_ref, *, dp4a):
+    """A block's 8 weight words with x's 8 words, one dp4a each, x as words."""
+    words, scale_bytes = loaded
+    xw = x_ref[kx, b[:, None] * 8 + tm._ar(8, 1, 2)][None]  # [1, NB, 8]
+    isum = jnp.sum(dp4a(words, xw, jnp.zeros_like(words)), axis=2)
+    return _q8_0_block_sums(isum, scale_bytes, d_ref, kx, b)
+
+
 def _words(q_XI: jax.Array) -> jax.Array:
     """int8 [X, I] -> int32 [X, I / 4], four consecutive values a word (value 4w + k at byte k)."""
     X, n_in = q_XI.shape
@@ -170,15 +229,24 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     values = tm.BLOCKS[qtype][0]
     dp4a = _dp4a_plain if interpret else _dp4a_asm
     q_XI = jnp.asarray(q_XI, jnp.int8)
+    x_in = None  # x as the step reads it: words of four values unless set
     if qtype == T.IQ2_XXS:
         load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
         dot = functools.partial(_dot_iq2_xxs_int8, dp4a=dp4a)
         extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
+    elif qtype == T.Q8_0 and _Q8_0_FORM == "packs":
+        load = functools.partial(_load_q8_0_bytes, n_in=n_in)
+        dot = functools.partial(_dot_q8_0_packs, dp4a_packs=_dp4a_packs_plain if interpret else _dp4a_packs_asm)
+        extra, x_in = (jnp.asarray(d_XC, jnp.float32),), q_XI
+    elif qtype == T.Q8_0:
+        load = functools.partial(_load_q8_0_words, n_in=n_in)
+        dot = functools.partial(_dot_q8_0_words, dp4a=dp4a)
+        extra = (jnp.asarray(d_XC, jnp.float32),)
     else:
         load = functools.partial(_load_q2_k_words, n_in=n_in)
         dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a)
         extra = (jnp.asarray(d_XC, jnp.float32),)
         q_XI = tm._crumb_major(q_XI)
-    return tm.launch(_words(q_XI), raw_EOR, idx_K, extra, load=load, dot=dot, prefetch=qtype in tm.PREFETCH,
-                     tile=(bo, nb, warps, splits), steps=n_in // (nb * values * splits), interpret=interpret,
-                     name=f"rows_matvec_int8_{qtype.name.lower()}_{layout}")
+    return tm.launch(_words(q_XI) if x_in is None else x_in, raw_EOR, idx_K, extra, load=load, dot=dot,
+                     prefetch=qtype in tm.PREFETCH, tile=(bo, nb, warps, splits), steps=n_in // (nb * values * splits),
+                     interpret=interpret, name=f"rows_matvec_int8_{qtype.name.lower()}_{layout}")
