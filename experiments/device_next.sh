@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The measurements queued for the next session that is lent the GPU box (the twenty-seventh session had none).
+# One device call per argument, each under the 600 s limit; results land in $OUT as the rows' JSON files.
+#
+#   bash experiments/device_next.sh kernels   # Q8_0 under the int8 numerics: both kernel forms against f32, ~4 min
+#   bash experiments/device_next.sh tests     # the GPU tests of the int8 kernels, both Q8_0 forms, ~3 min
+#   bash experiments/device_next.sh decode    # V4.1 4L plain: jds41, int8, int8 with Q8_0 (two processes), ~5 min
+#
+# The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
+set -euo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:.
+export JDS41_COMMIT=${JDS41_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+OUT=${OUT:?set OUT to the folder the rows go to}
+Q8_SHAPES=v41-attn-q-a,v41-attn-kv,v41-attn-q-b,v41-attn-o-a,v41-attn-o-b,v41-shexp-gate-up,v41-shexp-down,v41-head
+
+case "${1:-}" in
+  kernels)
+    for form in packs words; do
+      JDS41_INT8_Q8_0_FORM=$form python3 experiments/bench_kernels.py --shapes "$Q8_SHAPES" \
+        --out "$OUT/bench_kernels_int8_q8_0_${form}_h200.jsonl"
+    done ;;
+  tests)
+    for form in packs words; do
+      JDS41_INT8_Q8_0_FORM=$form python3 -m pytest -q -m gpu tests/test_int8_numerics.py tests/test_triton_matvec.py \
+        2>&1 | tail -5 | tee "$OUT/gpu_tests_int8_q8_0_${form}_h200.txt"
+    done ;;
+  decode)
+    common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
+            --usage-tokens 256 --prefill-budget-s 5)
+    python3 experiments/bench_decode.py "${common[@]}" --numerics jds41,int8 \
+      --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl"
+    JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${common[@]}" --numerics int8 \
+      --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl" ;;
+  *)
+    echo "usage: $0 kernels|tests|decode" >&2
+    exit 2 ;;
+esac
