@@ -157,12 +157,12 @@ def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda(monkey
     assert "rows_matvec_int8_q8_0_planar" in lowered(q8)
 
 
-def _two_bit_model(tmp_path) -> str:
+def _two_bit_model(tmp_path, **preset_args) -> str:
     from jds41.checkpoints import synth
     from jds41.checkpoints.presets import preset
 
     path = tmp_path / "two-bit.gguf"
-    cfg = dataclasses.replace(preset("deepseek41", "tiny"), dim=256, expert_ff=256)
+    cfg = dataclasses.replace(preset("deepseek41", "tiny", **preset_args), dim=256, expert_ff=256)
     assert not synth.write_synthetic(path, cfg, "ds4-q2", progress=False)["fallback_q8_0"]
     return str(path)
 
@@ -188,6 +188,30 @@ def test_an_int8_engine_keeps_its_invariances_and_stays_near_the_f32_activation(
     f32 = Engine.open(path, max_ctx=64).session().feed(toks, all_logits=True)
     assert not np.array_equal(f32, want)  # the two-bit products really read int8
     assert (f32.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.slow
+def test_drafting_under_int8_gives_int8_plain_decode(tmp_path):
+    """DSpark under the int8 numerics keeps its promise: the verified tokens are plain greedy decode's (the DSpark
+    drafter, drafts always right and always wrong; host path and device loop), the two-bit products' int8
+    rounding done per verified row as per decoded token."""
+    from jds41.engine import Engine
+    from jds41.speculative import DSparkDrafter, SpeculativeSession
+    from jds41.speculative_loop import ForcedDrafter
+
+    engine = Engine.open(_two_bit_model(tmp_path, draft_stages=2), max_ctx=96, numerics="int8")
+    k, layers = engine.cfg.dspark.block_size, engine.cfg.dspark.target_layer_ids
+    prompt, n_new = [5, 17, 99, 3, 42, 7], 40
+    want = list(engine.session().generate(prompt, n_new))
+    drafters = {"dspark": lambda: DSparkDrafter.open(engine, "self"),
+                "all-right": lambda: ForcedDrafter(engine, prompt + want, True, k, layers),
+                "all-wrong": lambda: ForcedDrafter(engine, prompt + want, False, k, layers)}
+    for name, make in drafters.items():
+        for step_loop in (True, False):
+            spec = SpeculativeSession(engine, make(), step_loop=step_loop)
+            assert list(spec.generate(prompt, n_new)) == want, (name, step_loop)
+            if name == "all-right":
+                assert spec.stats.accepted == spec.stats.drafted > 0
 
 
 @pytest.mark.gpu

@@ -21,6 +21,12 @@ Q2_K (planar rows only): a sub-block's 16 codes are one word, code u of each byt
 0x03030303 holds four codes as bytes, and x is read crumb-major (`_crumb_major`: value 4t + u of a block at
 64u + t) so those four values' x bytes are one word. The sums of x per sub-block (for the mins) are dp4a with
 0x01010101.
+
+Q8_0 (planar rows; rounded only with JDS41_INT8_Q8_0=1, quant/int8_act.py): a block's 32 weight bytes are already
+int8, so the step is dp4a over them, in one of two forms (JDS41_INT8_Q8_0_FORM, read at import, for the A/B):
+"packs" loads the bytes as the f32 kernel does and hands dp4a each thread's packs of four through inline assembly
+with pack=4 (Triton gives such assembly four int8 elements as one register), x as int8 values; "words" assembles
+each word from its four bytes and dots it with x's words. Neither has run on a GPU yet (experiments/device_next.sh).
 """
 
 from __future__ import annotations
@@ -175,12 +181,6 @@ def _dot_q2_k_int8(loaded, x_ref, kx, b, d_ref, *, dp4a):
     return jnp.sum(tm._f16_value(d_bytes) * scaled - tm._f16_value(dmin_bytes) * mins, axis=1)
 
 
-def _load_q8_0_bytes(w_ref, rows, b, *, n_in: int):
-    """Planar Q8_0: a step's quant bytes [BO, NB, 32] (contiguous from the row's start), f16 scale bytes."""
-    quants = w_ref[rows[:, None, None], (b[:, None] * 32 + tm._ar(32, 1, 2))[None]]
-    return quants, tm._f16_bytes(w_ref, rows[:, None], (n_in + 2 * b)[None, :])
-
-
 def _load_q8_0_words(w_ref, rows, b, *, n_in: int):
     """Planar Q8_0: a step's quants as words [BO, NB, 8] (a word's byte k: value 4w + k), f16 scale bytes."""
     at = b[None, :, None, None] * 32 + tm._ar(8, 2, 4) * 4 + tm._ar(4, 3, 4)
@@ -235,7 +235,7 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
         dot = functools.partial(_dot_iq2_xxs_int8, dp4a=dp4a)
         extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
     elif qtype == T.Q8_0 and _Q8_0_FORM == "packs":
-        load = functools.partial(_load_q8_0_bytes, n_in=n_in)
+        load = functools.partial(tm._load_q8_0, n_in=n_in)  # the f32 kernel's load: bytes [BO, NB, 32], scales
         dot = functools.partial(_dot_q8_0_packs, dp4a_packs=_dp4a_packs_plain if interpret else _dp4a_packs_asm)
         extra, x_in = (jnp.asarray(d_XC, jnp.float32),), q_XI
     elif qtype == T.Q8_0:
