@@ -5,6 +5,7 @@
 #   bash experiments/device_next.sh kernels   # Q8_0 under the int8 numerics: both kernel forms against f32, ~4 min
 #   bash experiments/device_next.sh tests     # the GPU tests of the int8 kernels, both Q8_0 forms, ~3 min
 #   bash experiments/device_next.sh decode    # V4.1 4L plain: jds41, int8, int8 with Q8_0 (two processes), ~5 min
+#   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 set -euo pipefail
@@ -32,7 +33,16 @@ case "${1:-}" in
       --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl"
     JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${common[@]}" --numerics int8 \
       --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl" ;;
+  depth)
+    for n in 2 4 8; do
+      python3 experiments/bench_decode.py --arch deepseek41 --layers $n --quant ds4-q2 --profiles plain \
+        --numerics int8 --prompt 256 --decode 128 --usage-tokens 256 --prefill-budget-s 5 \
+        --out "$OUT/bench_decode_depth_v41_h200.jsonl"
+      rm -rf /tmp/jds41-bench  # the disk holds one file at a time
+    done
+    python3 experiments/extrapolate_depth.py "$OUT/bench_decode_depth_v41_h200.jsonl" \
+      --out "$OUT/extrapolate_depth_v41_h200.jsonl" ;;
   *)
-    echo "usage: $0 kernels|tests|decode" >&2
+    echo "usage: $0 kernels|tests|decode|depth" >&2
     exit 2 ;;
 esac
