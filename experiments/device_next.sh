@@ -3,8 +3,9 @@
 # One device call per argument, each under the 600 s limit; results land in $OUT as the rows' JSON files.
 #
 #   bash experiments/device_next.sh kernels   # Q8_0 under the int8 numerics: both kernel forms against f32, ~4 min
-#   bash experiments/device_next.sh tests     # the GPU tests of the int8 kernels, both Q8_0 forms, ~3 min
-#   bash experiments/device_next.sh decode    # V4.1 4L plain: jds41, int8, int8 with Q8_0 (two processes), ~5 min
+#   bash experiments/device_next.sh tests     # the GPU tests of the int8 and top-K kernels, both Q8_0 forms, ~3 min
+#   bash experiments/device_next.sh decode    # V4.1 4L plain: jds41, int8; int8 with Q8_0; int8 with the top-K
+#                                             # kernel (three processes), ~7 min
 #   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
@@ -24,6 +25,7 @@ case "${1:-}" in
   tests)
     for form in packs words; do
       JDS41_INT8_Q8_0_FORM=$form python3 -m pytest -q -m gpu tests/test_int8_numerics.py tests/test_triton_matvec.py \
+        tests/test_topk_kernel.py \
         2>&1 | tail -5 | tee "$OUT/gpu_tests_int8_q8_0_${form}_h200.txt"
     done ;;
   decode)
@@ -32,6 +34,8 @@ case "${1:-}" in
     python3 experiments/bench_decode.py "${common[@]}" --numerics jds41,int8 \
       --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl"
     JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${common[@]}" --numerics int8 \
+      --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl"
+    JDS41_TOPK_KERNEL=1 python3 experiments/bench_decode.py "${common[@]}" --numerics int8 \
       --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl" ;;
   depth)
     for n in 2 4 8; do

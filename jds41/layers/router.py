@@ -11,6 +11,8 @@ Owns `route` (one token) and `route_rows` (T tokens):
   DeepSeek reference normalises exactly for non-softmax scoring, which its files express by setting the flag).
 - Ties: `jax.lax.top_k` puts the lower index first on equal values, so on an exact tie the lower expert index
   wins (ggml's order may differ; only exact ties are affected). idx_K comes out by descending selection score.
+  On CUDA with JDS41_TOPK_KERNEL=1 the plain selection is layers/topk_kernel.py's one-program top-K, the same
+  picks in the same order.
 
 Lean hook (`lean = (tier_rank_E, margin)`, None = off): a selection-only preference for experts in faster tiers.
 Eligible = the plain top-K plus every other expert whose selection score is strictly within `margin` of the
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jds41.config import ModelConfig
+from jds41.layers import topk_kernel
 from jds41.layers.rowwise import island, map_rows
 from jds41.quant import qmatvec
 
@@ -84,7 +87,7 @@ def route(x_D: jax.Array, gate_w, bias_E: jax.Array | None, cfg: ModelConfig, ha
     else:
         sel_E = scores_E if bias_E is None else scores_E + jnp.asarray(bias_E, jnp.float32)
         if lean is None:
-            idx_K = jax.lax.top_k(sel_E, k)[1].astype(jnp.int32)
+            idx_K = topk_kernel.top_k(sel_E, k)[1]  # lax.top_k's picks and order (the kernel only where switched on)
         else:
             idx_K, swaps = _lean_select(sel_E, k, lean[0], lean[1])
     w_K = scores_E[idx_K]

@@ -1,0 +1,89 @@
+"""The router's top-K as one Triton program (jds41/layers/topk_kernel.py), opt-in with JDS41_TOPK_KERNEL=1.
+
+On every machine: the kernel in Pallas' interpreter against `lax.top_k` (the reference), bit for bit, on rows with
+exact ties, -inf scores, the router's widths and widths that are not powers of two; the router built on it routes
+as before; lowered for CUDA the router's selection is the Triton call only where switched on. On a GPU (marker
+`gpu`): the compiled kernel against `lax.top_k`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from jds41.checkpoints.presets import preset
+from jds41.layers import router, topk_kernel
+from jds41.layers.topk_kernel import top_k_rows
+from jds41.quant import QTensor
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _rows(n_rows: int, n: int, seed: int) -> np.ndarray:
+    """Scores with exact ties (values on a coarse grid), some rows with few finite values."""
+    rng = np.random.default_rng(seed)
+    x = np.round(rng.standard_normal((n_rows, n)) * 4) / 4  # ~30 distinct values: many exact ties
+    x[1, : n - 3] = -np.inf  # fewer finite scores than K: the rest are -inf ties
+    x[2] = -np.inf
+    x[3, ::7] = 100.0  # the top is one tie of many
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("n,k", [(384, 6), (256, 6), (100, 8), (7, 7), (64, 1)])
+def test_the_interpreted_kernel_is_lax_top_k_bit_for_bit(n, k):
+    x = jnp.asarray(_rows(6, n, seed=n + k))
+    got_v, got_i = top_k_rows(x, k, interpret=True)
+    want_v, want_i = lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+    assert got_i.dtype == jnp.int32
+
+
+def _route_args(seed: int):
+    cfg = dataclasses.replace(preset("deepseek41", "tiny"), dim=128, n_experts=384, n_experts_used=6)  # V4.1 width
+    rng = np.random.default_rng(seed)
+    gate = QTensor.from_raw(rng.standard_normal((cfg.n_experts, cfg.dim)).astype(np.float32), 0,
+                            (cfg.n_experts, cfg.dim))
+    return cfg, gate, jnp.asarray(rng.standard_normal(cfg.dim), jnp.float32), \
+        jnp.asarray(rng.standard_normal(cfg.n_experts) * 0.1, jnp.float32)
+
+
+def test_the_router_on_the_kernel_routes_as_before(monkeypatch):
+    cfg, gate, x, bias = _route_args(3)
+    want = jax.jit(lambda x: router.route(x, gate, bias, cfg))(x)
+    monkeypatch.setattr(topk_kernel, "ENABLED", True)
+    monkeypatch.setattr(topk_kernel.triton_matvec, "INTERPRET", True)
+    assert topk_kernel.applies(cfg.n_experts, cfg.n_experts_used)
+    got = jax.jit(lambda x: router.route(x, gate, bias, cfg))(x)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_the_selection_lowers_to_the_kernel_on_cuda_only_where_switched_on(monkeypatch):
+    cfg, gate, x, bias = _route_args(4)
+
+    def lowered(platform):
+        traced = jax.jit(lambda x: router.route(x, gate, bias, cfg)).trace(x)
+        return traced.lower(lowering_platforms=(platform,)).as_text()
+
+    assert "router_top_k" not in lowered("cuda")
+    monkeypatch.setattr(topk_kernel, "ENABLED", True)
+    if not topk_kernel.applies(cfg.n_experts, cfg.n_experts_used):
+        pytest.skip("this JAX has no Pallas Triton backend")
+    assert "router_top_k" in lowered("cuda") and TRITON_CALL in lowered("cuda")
+    assert "router_top_k" not in lowered("cpu")
+
+
+@pytest.mark.gpu
+def test_the_compiled_kernel_is_lax_top_k_on_the_gpu():
+    for n in (384, 256):
+        x = jnp.asarray(_rows(64, n, seed=n))
+        got_v, got_i = jax.jit(lambda x: top_k_rows(x, 6))(x)
+        want_v, want_i = jax.jit(lambda x: lax.top_k(x, 6))(x)
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
