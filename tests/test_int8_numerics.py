@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from jds41.quant import QTensor, int8_act, qmatvec_experts, qtensor
+from jds41.quant import QTensor, int8_act, qmatvec_experts, qtensor, triton_int8
 from jds41.quant.blocks import IQ2XXS_PACKED_GRID
 from jds41.quant.int8_act import int8_values, round_int8, xla_int8_rows_matvec
 from jds41.quant.planar import to_planar
@@ -127,6 +127,24 @@ def test_the_interpreted_int8_kernel_equals_the_reference(qtype, layout, x_rows)
     for tile in (None, (8, 2, 4), (8, 1, 4, 4)):  # the rule's, another grouping of blocks, a row split in four
         got = rows_matvec_int8(q, d, rows, jnp.asarray(idx), qtype, layout, interpret=True, tile=tile)
         assert got.shape == (5, 24) and _rel(got, want) < 1e-6, tile
+
+
+@pytest.mark.parametrize("x_rows", [1, 3])
+def test_both_q8_0_kernel_forms_equal_the_reference_and_each_other(monkeypatch, x_rows):
+    """The Q8_0 step's two forms (JDS41_INT8_Q8_0_FORM, read at import: set here on the module and traced afresh,
+    past the jit cache): the same integer sums, so the same bits, and the float64 reference's values."""
+    rng = np.random.default_rng(8)
+    raw = random_quantized(rng, T.Q8_0, (4, 16, 512))
+    idx = np.array([2, 0, 3], np.int32)
+    x = rng.standard_normal((x_rows, 512)).astype(np.float32)
+    q, d = round_int8(jnp.asarray(x))
+    got = {}
+    for form in ("packs", "words"):
+        monkeypatch.setattr(triton_int8, "_Q8_0_FORM", form)
+        got[form] = np.asarray(triton_int8.rows_matvec_int8.__wrapped__(
+            q, d, jnp.asarray(to_planar(raw, T.Q8_0)), jnp.asarray(idx), T.Q8_0, "planar", interpret=True))
+    np.testing.assert_array_equal(got["packs"], got["words"])
+    assert _rel(got["packs"], _reference(x, raw, idx, T.Q8_0)) < 1e-6
 
 
 def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda(monkeypatch):

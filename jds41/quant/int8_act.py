@@ -3,8 +3,9 @@
 What it is: before a product with IQ2_XXS or Q2_K weights (V4.1's routed experts), x is rounded per block of 32
 values to q * d, d = amax / 127 (f32), q = round-half-even(x * 127 / amax) in [-127, 127] (q = d = 0 for a zero
 block). llama.cpp's CUDA backend rounds the same way before its quantized matrix-vector products (q8_1 blocks of 32,
-whose d it stores as f16), and its CPU backend rounds these formats to Q8_K (blocks of 256). Every other format,
-and every product when the numerics is off (`QTensor.act_round` None), reads x as is.
+whose d it stores as f16), and its CPU backend rounds these formats to Q8_K (blocks of 256). With JDS41_INT8_Q8_0=1
+the Q8_0 products round too (as llama.cpp's CUDA backend does; opt-in until timed). Every other format, and every
+product when the numerics is off (`QTensor.act_round` None), reads x as is.
 
 Why: with int8 activations a product is an integer dot product within each block of 32 and a few float
 multiplies per block, which the GPU does four values an instruction (dp4a): the two-bit expert kernels were bound
@@ -35,8 +36,8 @@ from jds41.quant.blocks import _f16, iq2_xxs_integers
 from jds41.quant.planar import _unpack_crumbs, block_parts
 
 PRODUCT_TYPES = frozenset({T.IQ2_XXS, T.Q2_K, T.Q8_0})  # the formats the integer product takes
-# the formats whose products the "int8" numerics rounds x for (JDS41_INT8_Q8_0=0, read at import: the two-bit ones
-# alone, for A/B measurements)
+# the formats whose products the "int8" numerics rounds x for: the two-bit ones, and Q8_0 too with JDS41_INT8_Q8_0=1
+# (read at import; off until the GPU box has timed its kernel, experiments/device_next.sh)
 INT8_TYPES = PRODUCT_TYPES if os.environ.get("JDS41_INT8_Q8_0", "0") == "1" else frozenset({T.IQ2_XXS, T.Q2_K})
 BLOCK = 32  # activation values per int8 block
 
@@ -73,7 +74,7 @@ def _last_axis_chain(a: jax.Array) -> jax.Array:
 def xla_int8_rows_matvec(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype,
                          layout: str = "ggml") -> jax.Array:
     """y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i] with x = int8 blocks (q [1 or K, I], d [1 or K, I / 32]) and W
-    raw IQ2_XXS or Q2_K rows [E, O, R] in `layout`, by the module's formula -> f32 [K, O]; indices clamped."""
+    raw rows [E, O, R] of one of PRODUCT_TYPES in `layout`, by the module's formula -> f32 [K, O]; indices clamped."""
     if qtype not in PRODUCT_TYPES:
         raise ValueError(f"the int8 product takes {sorted(t.name for t in PRODUCT_TYPES)}, not {T(qtype).name}")
     raw_KOR = jnp.take(jnp.asarray(raw_EOR), idx_K, axis=0, mode="clip")
