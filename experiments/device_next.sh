@@ -5,7 +5,8 @@
 #   bash experiments/device_next.sh kernels   # Q8_0 under the int8 numerics: both kernel forms against f32, ~4 min
 #   bash experiments/device_next.sh tests     # the GPU tests of the int8 and top-K kernels, both Q8_0 forms, ~3 min
 #   bash experiments/device_next.sh decode    # V4.1 4L plain: jds41, int8; int8 with Q8_0; int8 with the top-K
-#                                             # kernel (three processes), ~7 min
+#                                             # kernel and the lanes Sinkhorn (three processes), ~7 min
+#   bash experiments/device_next.sh profile   # the decode profile with every opt-in on: each new kernel's us, ~3 min
 #   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
@@ -25,7 +26,7 @@ case "${1:-}" in
   tests)
     for form in packs words; do
       JDS41_INT8_Q8_0_FORM=$form python3 -m pytest -q -m gpu tests/test_int8_numerics.py tests/test_triton_matvec.py \
-        tests/test_topk_kernel.py \
+        tests/test_topk_kernel.py tests/test_sinkhorn_kernel.py \
         2>&1 | tail -5 | tee "$OUT/gpu_tests_int8_q8_0_${form}_h200.txt"
     done ;;
   decode)
@@ -35,8 +36,12 @@ case "${1:-}" in
       --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl"
     JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${common[@]}" --numerics int8 \
       --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl"
-    JDS41_TOPK_KERNEL=1 python3 experiments/bench_decode.py "${common[@]}" --numerics int8 \
-      --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl" ;;
+    JDS41_TOPK_KERNEL=1 JDS41_SINKHORN_FORM=lanes python3 experiments/bench_decode.py "${common[@]}" \
+      --numerics int8 --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl" ;;
+  profile)
+    JDS41_INT8_Q8_0=1 JDS41_TOPK_KERNEL=1 JDS41_SINKHORN_FORM=lanes python3 experiments/profile_decode.py \
+      --arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8 \
+      --out "$OUT/profile_decode_optins_v41_4L_h200.jsonl" ;;
   depth)
     for n in 2 4 8; do
       python3 experiments/bench_decode.py --arch deepseek41 --layers $n --quant ds4-q2 --profiles plain \
@@ -47,6 +52,6 @@ case "${1:-}" in
     python3 experiments/extrapolate_depth.py "$OUT/bench_decode_depth_v41_h200.jsonl" \
       --out "$OUT/extrapolate_depth_v41_h200.jsonl" ;;
   *)
-    echo "usage: $0 kernels|tests|decode|depth" >&2
+    echo "usage: $0 kernels|tests|decode|depth|profile" >&2
     exit 2 ;;
 esac

@@ -8,6 +8,9 @@ V4-Flash 8-layer shape, 370 of the 857 kernels of a decode step. Here one progra
 into registers and runs the whole normalisation in scalar code, in the order `_sinkhorn` writes it (maxima and sums
 left to right), so a sublayer's comb is one launch.
 
+A second form (`_kernel_lanes`, JDS41_SINKHORN_FORM=lanes, opt-in until timed) holds the 16 values as one [4, 4]
+tile, a lane each, so a round's sums are short reductions across lanes instead of one thread's serial chain.
+
 `sinkhorn(logits_SD, hc_eps, iters)` takes logits [..., H, H] (any leading axes: decode's one row, a block's rows,
 a vmapped batch); on CUDA it runs the kernel (one program per row: each row's arithmetic is the same whatever the
 rows around it), elsewhere `default` (mhc's XLA spelling, the reference). The kernel's exp and division are
@@ -19,6 +22,7 @@ JDS41_TRITON=interpret runs it on every platform in Pallas' interpreter (tests/t
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -74,10 +78,38 @@ def _kernel(l_ref, o_ref, *, eps: float, iters: int):
             o_ref[i, s * H + d] = c[s][d]
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "iters", "interpret"))
-def sinkhorn_rows(logits_N16: jax.Array, eps: float, iters: int, interpret: bool = False) -> jax.Array:
-    """The kernel over N rows of 16 logits (src-major) -> the N combs, [N, 16] f32."""
+def _kernel_lanes(l_ref, o_ref, *, eps: float, iters: int):
+    """`_kernel`'s normalisation with the 16 values as one [4, 4] tile, one lane each, instead of one thread's
+    scalars: a round's four row (or column) sums are reductions across lanes rather than a serial chain of 12 adds,
+    so the chain a program waits on is ~4x shorter. The sums' order is the reduction's, not left to right, so its
+    bits differ from the scalar form's (both agree with mhc's XLA spelling to f32 rounding)."""
+    i = pl.program_id(0)
+    at = jnp.arange(H, dtype=jnp.int32)[:, None] * H + jnp.arange(H, dtype=jnp.int32)[None, :]  # [src, dst]
+    eps, one = jnp.float32(eps), jnp.float32(1)
+    lg = l_ref[i, at]
+    e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
+    c = e * (one / jnp.sum(e, axis=1, keepdims=True)) + eps  # softmax over dst, + hc_eps
+    cols = lambda c: c * (one / (jnp.sum(c, axis=0, keepdims=True) + eps))  # noqa: E731
+    rows = lambda c: c * (one / (jnp.sum(c, axis=1, keepdims=True) + eps))  # noqa: E731
+    c = cols(c)
+    for _ in range(iters - 1):
+        c = cols(rows(c))
+    o_ref[i, at] = c
+
+
+# JDS41_SINKHORN_FORM (read at import): "scalar" (`_kernel`, timed: 4.2 us a call on the H200) or "lanes"
+# (`_kernel_lanes`, not yet timed: experiments/device_next.sh)
+FORM = os.environ.get("JDS41_SINKHORN_FORM", "scalar")
+_KERNELS = {"scalar": _kernel, "lanes": _kernel_lanes}
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "iters", "interpret", "form"))
+def sinkhorn_rows(logits_N16: jax.Array, eps: float, iters: int, interpret: bool = False,
+                  form: str | None = None) -> jax.Array:
+    """The kernel over N rows of 16 logits (src-major) -> the N combs, [N, 16] f32; `form` (default FORM) picks
+    the kernel."""
     n = logits_N16.shape[0]
+    kernel = _KERNELS[form or FORM]
     params = None
     if interpret:  # interpreted, the kernel is XLA:CPU code inlined into its caller: keep its rounding its own
         logits_N16 = lax.optimization_barrier(logits_N16)
@@ -86,7 +118,7 @@ def sinkhorn_rows(logits_N16: jax.Array, eps: float, iters: int, interpret: bool
 
         params = plgpu.CompilerParams(num_warps=1, num_stages=1)
     out = pl.pallas_call(
-        functools.partial(_kernel, eps=float(eps), iters=int(iters)),
+        functools.partial(kernel, eps=float(eps), iters=int(iters)),
         out_shape=jax.ShapeDtypeStruct((n, H * H), jnp.float32), grid=(n,), compiler_params=params,
         interpret=interpret, name="mhc_sinkhorn",
     )(logits_N16.astype(jnp.float32))
