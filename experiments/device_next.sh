@@ -10,6 +10,8 @@
 #   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
+# Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
+# the command (JDS41_COMMIT=<sha> bash experiments/device_next.sh decode), so the rows name it.
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:.
