@@ -29,7 +29,7 @@ case "${1:-}" in
     for form in packs words; do
       JDS41_INT8_Q8_0_FORM=$form python3 -m pytest -q -m gpu tests/test_int8_numerics.py tests/test_triton_matvec.py \
         tests/test_topk_kernel.py tests/test_sinkhorn_kernel.py \
-        2>&1 | tail -5 | tee "$OUT/gpu_tests_int8_q8_0_${form}_h200.txt"
+        2>&1 | tail -5 | tee "$OUT/gpu_tests_int8_q8_0_${form}_h200.txt" || true  # a failure: the other form still runs
     done ;;
   decode)
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
