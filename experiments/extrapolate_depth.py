@@ -25,7 +25,7 @@ from collections import defaultdict
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import BW, Bytes  # noqa: E402
+from bench_decode import BW, Bytes, emit  # noqa: E402
 
 GROUP_KEYS = ("commit", "machine", "arch", "quant", "profile", "numerics")
 
@@ -98,11 +98,7 @@ def main(argv=None) -> int:
     if not found:
         ap.error("no bench_decode decode rows in those files")
     for group in found:
-        line = json.dumps({**extrapolate(group, a.layers), "command": " ".join(sys.argv)})
-        print(line)
-        if a.out:
-            with open(a.out, "a") as fh:
-                fh.write(line + "\n")
+        emit({**extrapolate(group, a.layers), "command": " ".join(sys.argv)}, a.out)
     return 0
 
 

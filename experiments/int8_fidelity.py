@@ -20,7 +20,6 @@ pass (prefill's products, the same rounding through `dot`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -80,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
 
     import jax
+    from bench_decode import emit
 
     from jds41.engine import Engine
     from jds41.quant import qtensor
@@ -111,11 +111,7 @@ def main(argv: list[str] | None = None) -> int:
            "seconds": round(time.perf_counter() - t0, 1)}
     if not a.random:
         row["ce_f32_act"], row["ce_int8_act"] = float(pool["ce_ref"].mean()), float(pool["ce_int8"].mean())
-    line = json.dumps(row)
-    print(line)
-    if a.out:
-        with open(a.out, "a") as fh:
-            fh.write(line + "\n")
+    emit(row, a.out)
     return 0
 
 
