@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -265,8 +266,6 @@ def test_generate_under_int8_numerics_rounds_q8_0_products_only_when_told(tmp_pa
     """The shipped tiny V4.1 file holds Q8_0 weights only: "int8" rounds the two-bit formats' activations, so its
     tokens and logits are the default numerics' (the flag reaches the engine without touching other products);
     with JDS41_INT8_Q8_0=1 the Q8_0 products read int8 too, and the logits move by little."""
-    import os
-
     model = Path(__file__).resolve().parents[1] / "checkpoints" / "tiny-deepseek41-q8.gguf"
     runs, logits = [], []
     for i, (extra, env) in enumerate((((), {}), (("--numerics", "int8"), {}),

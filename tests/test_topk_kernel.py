@@ -73,8 +73,7 @@ def test_the_selection_lowers_to_the_kernel_on_cuda_only_where_switched_on(monke
 
     assert "router_top_k" not in lowered("cuda")
     monkeypatch.setattr(topk_kernel, "ENABLED", True)
-    if not topk_kernel.applies(cfg.n_experts, cfg.n_experts_used):
-        pytest.skip("this JAX has no Pallas Triton backend")
+    assert topk_kernel.applies(cfg.n_experts, cfg.n_experts_used)  # the pinned jax has Pallas' Triton backend
     assert "router_top_k" in lowered("cuda") and TRITON_CALL in lowered("cuda")
     assert "router_top_k" not in lowered("cpu")
 

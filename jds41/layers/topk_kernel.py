@@ -72,16 +72,15 @@ def top_k(x_E: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """`lax.top_k(x_E, k)` for a row of scores [..., E] (module docstring), by the kernel where it `applies`."""
     x_E = jnp.asarray(x_E, jnp.float32)
     n = x_E.shape[-1]
-    if not applies(n, k):
-        values, idx = lax.top_k(x_E, k)
-        return values, idx.astype(jnp.int32)
-    lead = x_E.shape[:-1]
-    flat = x_E.reshape(-1, n)
 
     def xla(x):
         values, idx = lax.top_k(x, k)
         return values, idx.astype(jnp.int32)
 
+    if not applies(n, k):
+        return xla(x_E)
+    lead = x_E.shape[:-1]
+    flat = x_E.reshape(-1, n)
     if triton_matvec.INTERPRET:
         values, idx = top_k_rows(flat, k, interpret=True)
     else:
