@@ -1,8 +1,7 @@
 """mHC's Sinkhorn as one Triton kernel (jds41/layers/sinkhorn_kernel.py), the comb's fast path on CUDA.
 
-On every machine, for both kernels (JDS41_SINKHORN_FORM "scalar" and "lanes"): the kernel in Pallas' interpreter
-against mhc's XLA spelling (the reference) and a float64 numpy re-derivation; each row's comb does not depend on
-the rows around it (one row alone, in a block, permuted, under vmap). Lowered for CUDA, `hc_split` is the Triton
+On every machine: the kernel in Pallas' interpreter against mhc's XLA spelling (the reference) and a float64
+numpy re-derivation; each row's comb does not depend on the rows around it (one row alone, in a block, permuted, under vmap). Lowered for CUDA, `hc_split` is the Triton
 custom call; lowered for the CPU it is not. On a GPU (marker `gpu`): the compiled kernel against the XLA
 spelling, and a row alone against the same row in a block.
 """
@@ -37,13 +36,9 @@ def _logits(n: int, seed: int = 0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal((n, 4, 4)) * 4).astype(np.float32)
 
 
-FORMS = ("scalar", "lanes")  # the two kernels (JDS41_SINKHORN_FORM)
-
-
-@pytest.mark.parametrize("form", FORMS)
-def test_the_interpreted_kernel_equals_the_reference(form):
+def test_the_interpreted_kernel_equals_the_reference():
     lg = _logits(9)
-    got = np.asarray(sinkhorn_rows(jnp.asarray(lg.reshape(9, 16)), EPS, ITERS, interpret=True, form=form))
+    got = np.asarray(sinkhorn_rows(jnp.asarray(lg.reshape(9, 16)), EPS, ITERS, interpret=True))
     got = got.reshape(9, 4, 4)
     want = np.asarray(jax.jit(lambda x: _sinkhorn(x, EPS, ITERS))(lg))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
@@ -51,11 +46,10 @@ def test_the_interpreted_kernel_equals_the_reference(form):
     np.testing.assert_allclose(got.sum(-2), 1, atol=1e-4)  # columns normalised last: doubly stochastic to eps
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_a_rows_comb_does_not_depend_on_the_rows_around_it(form):
+def test_a_rows_comb_does_not_depend_on_the_rows_around_it():
     iters = 3  # the property does not depend on the round count; fewer rounds compile faster in the interpreter
     lg = jnp.asarray(_logits(6, seed=1).reshape(6, 16))
-    run = lambda x: sinkhorn_rows(x, EPS, iters, interpret=True, form=form)  # noqa: E731
+    run = lambda x: sinkhorn_rows(x, EPS, iters, interpret=True)  # noqa: E731
     block = np.asarray(run(lg))
     perm = np.array([3, 0, 5, 1, 4, 2])
     np.testing.assert_array_equal(np.asarray(run(lg[perm])), block[perm])
@@ -74,11 +68,10 @@ def test_hc_split_lowers_to_the_kernel_on_cuda_only():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", FORMS)
-def test_the_compiled_kernel_agrees_with_the_xla_spelling_on_the_gpu(form):
+def test_the_compiled_kernel_agrees_with_the_xla_spelling_on_the_gpu():
     lg = jnp.asarray(_logits(64, seed=2))
-    got = np.asarray(sinkhorn_rows(lg.reshape(64, 16), EPS, ITERS, form=form)).reshape(64, 4, 4)
+    got = np.asarray(sinkhorn_rows(lg.reshape(64, 16), EPS, ITERS)).reshape(64, 4, 4)
     want = np.asarray(jax.jit(lambda x: _sinkhorn(x, EPS, ITERS))(lg))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
-    one = np.asarray(sinkhorn_rows(lg[5].reshape(1, 16), EPS, ITERS, form=form))[0]
+    one = np.asarray(sinkhorn_rows(lg[5].reshape(1, 16), EPS, ITERS))[0]
     np.testing.assert_array_equal(one, got[5].reshape(16))

@@ -1,8 +1,8 @@
-"""The router's top-K as one Triton program (jds41/layers/topk_kernel.py), opt-in with JDS41_TOPK_KERNEL=1.
+"""The router's top-K as one Triton program (jds41/layers/topk_kernel.py), the selection on CUDA.
 
 On every machine: the kernel in Pallas' interpreter against `lax.top_k` (the reference), bit for bit, on rows with
 exact ties, -inf scores, the router's widths and widths that are not powers of two; the router built on it routes
-as before; lowered for CUDA the router's selection is the Triton call only where switched on. On a GPU (marker
+as before; lowered for CUDA the router's selection is the Triton call unless switched off. On a GPU (marker
 `gpu`): the compiled kernel against `lax.top_k`.
 """
 
@@ -71,8 +71,9 @@ def test_the_selection_lowers_to_the_kernel_on_cuda_only_where_switched_on(monke
         traced = jax.jit(lambda x: router.route(x, gate, bias, cfg)).trace(x)
         return traced.lower(lowering_platforms=(platform,)).as_text()
 
+    monkeypatch.setattr(topk_kernel, "ENABLED", False)  # JDS41_TOPK_KERNEL=0
     assert "router_top_k" not in lowered("cuda")
-    monkeypatch.setattr(topk_kernel, "ENABLED", True)
+    monkeypatch.setattr(topk_kernel, "ENABLED", True)  # the default
     assert topk_kernel.applies(cfg.n_experts, cfg.n_experts_used)  # the pinned jax has Pallas' Triton backend
     assert "router_top_k" in lowered("cuda") and TRITON_CALL in lowered("cuda")
     assert "router_top_k" not in lowered("cpu")

@@ -11,8 +11,7 @@ Owns `route` (one token) and `route_rows` (T tokens):
   DeepSeek reference normalises exactly for non-softmax scoring, which its files express by setting the flag).
 - Ties: `jax.lax.top_k` puts the lower index first on equal values, so on an exact tie the lower expert index
   wins (ggml's order may differ; only exact ties are affected). idx_K comes out by descending selection score.
-  On CUDA with JDS41_TOPK_KERNEL=1 the plain selection is layers/topk_kernel.py's one-program top-K, the same
-  picks in the same order.
+  On CUDA the plain selection is layers/topk_kernel.py's one-program top-K, the same picks in the same order.
 
 Lean hook (`lean = (tier_rank_E, margin)`, None = off): a selection-only preference for experts in faster tiers.
 Eligible = the plain top-K plus every other expert whose selection score is strictly within `margin` of the

@@ -1,18 +1,18 @@
-"""The router's top-K of a token's expert scores as one Pallas (Triton) program on the GPU (opt-in, not yet timed).
+"""The router's top-K of a token's expert scores as one Pallas (Triton) program on the GPU.
 
 Why: `jax.lax.top_k` over a router's E = 256 or 384 scores ran on the H200 as an XLA sort, 5.6 us a layer in the
 V4.1 decode profile (`sort_*` in results/profile_decode_int8_26_v41_4L_h200.jsonl, one a layer), where the rest
 of the router is ~1 us kernels. K is 6: one program can hold the E scores in registers and take K maxima, each a
-max and a min-index reduction over the row, with no sort.
+max and a min-index reduction over the row, with no sort: 2.4 us a layer in the same profile with it
+(results/profile_decode_optins_v41_4L_h200.jsonl).
 
 `top_k(x_E, k)` -> (values [k], indices [k] int32) with `lax.top_k`'s result for scores that are finite or -inf:
 descending values, and on equal values the lower index first (so an exact tie keeps the lower expert, as the
 router's docstring promises); the same K picks whatever their order, since each round takes the lowest untaken
 index holding the largest untaken value. NaN scores are outside that promise (a router never makes them). On CUDA
-it runs the kernel where `JDS41_TOPK_KERNEL=1` (read at import; off by default until the GPU box has timed it:
-experiments/device_next.sh), elsewhere `lax.top_k`, the reference; JDS41_TRITON=interpret runs the kernel on
-every platform through Pallas' interpreter (tests/test_topk_kernel.py). Values are copied, never computed, so the
-kernel and the reference agree bit for bit.
+it runs the kernel (JDS41_TOPK_KERNEL=0, read at import, keeps XLA's sort there, for A/B runs), elsewhere
+`lax.top_k`, the reference; JDS41_TRITON=interpret runs the kernel on every platform through Pallas' interpreter
+(tests/test_topk_kernel.py). Values are copied, never computed, so the kernel and the reference agree bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from jds41.quant import triton_matvec
 
-ENABLED = os.environ.get("JDS41_TOPK_KERNEL", "0") == "1"
+ENABLED = os.environ.get("JDS41_TOPK_KERNEL", "1") == "1"
 MAX_N = 1024  # scores one program holds (a router's experts; V4.1 384, V4-Flash 256)
 
 
@@ -63,7 +63,8 @@ def top_k_rows(x_NE: jax.Array, k: int, interpret: bool = False) -> tuple[jax.Ar
 
 
 def applies(n: int, k: int) -> bool:
-    """Whether `top_k` can run the kernel: switched on, Pallas' Triton backend (or the interpreter), a short row."""
+    """Whether `top_k` can run the kernel: not switched off, Pallas' Triton backend (or the interpreter), a short
+    row."""
     return ENABLED and triton_matvec.ENABLED and (triton_matvec.has_triton_backend() or triton_matvec.INTERPRET) \
         and k <= n <= MAX_N
 

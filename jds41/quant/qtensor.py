@@ -53,7 +53,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from jax import lax
 
-from jds41.quant import planar, triton_int8, triton_matvec
+from jds41.quant import int8_round_kernel, planar, triton_int8, triton_matvec
 from jds41.quant.blocks import (
     FLOAT_TYPES,
     NATIVE_DTYPES,
@@ -372,12 +372,22 @@ def _int8(w: QTensor) -> bool:
 
 def _int8_rows_matvec(x_XI: jax.Array, w: QTensor, raw_EOR: jax.Array, idx_K: jax.Array, tile=None) -> jax.Array:
     """The one-token product of "int8" numerics: x [1 or K, I] rounded to int8 blocks, then the integer dot product
-    of quant/int8_act.py, by the dp4a kernel on CUDA (quant/triton_int8.py) where it takes the rows, else by XLA."""
-    q, d = round_int8(x_XI)
-    xla = lambda q, d, raw, idx: xla_int8_rows_matvec(q, d, raw, idx, w.qtype, w.layout)
+    of quant/int8_act.py, by the dp4a kernel on CUDA (quant/triton_int8.py) where it takes the rows, else by XLA.
+    Where the kernel runs, x is rounded by quant/int8_round_kernel.py's one launch (the same bits as `round_int8`;
+    JDS41_INT8_ROUND_KERNEL=0 keeps XLA's three kernels, for A/B runs)."""
+    xla = lambda x, raw, idx: xla_int8_rows_matvec(*round_int8(x), raw, idx, w.qtype, w.layout)  # noqa: E731
     if not triton_int8.supported(w.qtype, w.nbytes, w.layout):
-        return xla(q, d, raw_EOR, idx_K)
+        return xla(x_XI, raw_EOR, idx_K)
+    crumbs = w.qtype == GGMLQuantizationType.Q2_K and int8_round_kernel.ENABLED  # the kernel writes Q2_K's order
+
+    def kernel(x, raw, idx, interpret=False):
+        if int8_round_kernel.ENABLED:
+            q, d = int8_round_kernel.round_int8_rows(x, crumb_major=crumbs, interpret=interpret)
+        else:
+            q, d = round_int8(x)
+        return triton_int8.rows_matvec_int8(q, d, raw, idx, w.qtype, w.layout, interpret=interpret, tile=tile,
+                                            q_crumb_major=crumbs)
+
     if triton_matvec.INTERPRET:
-        return triton_int8.rows_matvec_int8(q, d, raw_EOR, idx_K, w.qtype, w.layout, interpret=True, tile=tile)
-    kernel = lambda q, d, raw, idx: triton_int8.rows_matvec_int8(q, d, raw, idx, w.qtype, w.layout, tile=tile)
-    return lax.platform_dependent(q, d, raw_EOR, idx_K, cuda=kernel, default=xla)
+        return kernel(x_XI, raw_EOR, idx_K, interpret=True)
+    return lax.platform_dependent(x_XI, raw_EOR, idx_K, cuda=kernel, default=xla)
