@@ -58,6 +58,7 @@ case "${1:-}" in
   round)
     python3 -m pytest -q -m gpu tests/test_int8_round_kernel.py tests/test_sinkhorn_kernel.py tests/test_topk_kernel.py \
       2>&1 | tail -3 | tee "$OUT/gpu_tests_round_kernel_h200.txt" || true
+    if grep -qE "failed|error" "$OUT/gpu_tests_round_kernel_h200.txt"; then exit 1; fi  # no timing of a broken kernel
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 256 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_round_kernel_v41_4L_h200.jsonl")
     for rep in 1 2; do
