@@ -8,8 +8,8 @@
 #                                             # kernel and the lanes Sinkhorn (three processes), ~7 min
 #   bash experiments/device_next.sh profile   # the decode profile with every opt-in on: each new kernel's us, ~3 min
 #   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
-#   bash experiments/device_next.sh round     # the int8 rounding kernel: its GPU tests, decode ABAB against XLA's
-#                                             # rounding, int8 with Q8_0 rounded too, and that one's profile, ~8 min
+#   bash experiments/device_next.sh round     # the int8 rounding kernel and shared gate/up launches: GPU tests, two
+#                                             # profiles (int8; Q8_0 rounded too), decode ABAB with both off, ~9 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 # Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
@@ -56,18 +56,20 @@ case "${1:-}" in
     python3 experiments/extrapolate_depth.py "$OUT/bench_decode_depth_v41_h200.jsonl" \
       --out "$OUT/extrapolate_depth_v41_h200.jsonl" ;;
   round)
-    python3 -m pytest -q -m gpu tests/test_int8_round_kernel.py tests/test_sinkhorn_kernel.py tests/test_topk_kernel.py \
-      2>&1 | tail -3 | tee "$OUT/gpu_tests_round_kernel_h200.txt" || true
-    if grep -qE "failed|error" "$OUT/gpu_tests_round_kernel_h200.txt"; then exit 1; fi  # no timing of a broken kernel
+    python3 -m pytest -q -m gpu tests/test_int8_round_kernel.py tests/test_shared_launch.py tests/test_sinkhorn_kernel.py \
+      tests/test_topk_kernel.py 2>&1 | tail -3 | tee "$OUT/gpu_tests_round_shared_h200.txt" || true
+    if grep -qE "failed|error" "$OUT/gpu_tests_round_shared_h200.txt"; then exit 1; fi  # no timing of a broken kernel
+    prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8)
+    python3 experiments/profile_decode.py "${prof[@]}" --out "$OUT/profile_decode_round_shared_v41_4L_h200.jsonl"
+    JDS41_INT8_Q8_0=1 python3 experiments/profile_decode.py "${prof[@]}" \
+      --out "$OUT/profile_decode_round_shared_q8_0_v41_4L_h200.jsonl"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
-            --usage-tokens 256 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_round_kernel_v41_4L_h200.jsonl")
-    for rep in 1 2; do
+            --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_round_shared_v41_4L_h200.jsonl")
+    for rep in 1 2; do  # ABAB: this session's two launch savings on, then both off
       python3 experiments/bench_decode.py "${common[@]}"
-      JDS41_INT8_ROUND_KERNEL=0 python3 experiments/bench_decode.py "${common[@]}"
+      JDS41_INT8_ROUND_KERNEL=0 JDS41_SHARED_LAUNCH=0 python3 experiments/bench_decode.py "${common[@]}"
     done
-    JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${common[@]}"
-    JDS41_INT8_Q8_0=1 python3 experiments/profile_decode.py --arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 \
-      --decode 64 --numerics int8 --out "$OUT/profile_decode_round_kernel_v41_4L_h200.jsonl" ;;
+    JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${common[@]}" ;;
   *)
     echo "usage: $0 kernels|tests|decode|depth|profile|round" >&2
     exit 2 ;;

@@ -1,9 +1,9 @@
 """mHC's Sinkhorn as one Triton kernel (jds41/layers/sinkhorn_kernel.py), the comb's fast path on CUDA.
 
 On every machine: the kernel in Pallas' interpreter against mhc's XLA spelling (the reference) and a float64
-numpy re-derivation; each row's comb does not depend on the rows around it (one row alone, in a block, permuted, under vmap). Lowered for CUDA, `hc_split` is the Triton
-custom call; lowered for the CPU it is not. On a GPU (marker `gpu`): the compiled kernel against the XLA
-spelling, and a row alone against the same row in a block.
+numpy re-derivation; each row's comb does not depend on the rows around it (one row alone, in a block, permuted,
+under vmap). Lowered for CUDA, `hc_split` is the Triton custom call; lowered for the CPU it is not. On a GPU
+(marker `gpu`): the compiled kernel against the XLA spelling, and a row alone against the same row in a block.
 """
 
 from __future__ import annotations

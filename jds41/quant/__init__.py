@@ -6,7 +6,15 @@ not re-exported here) writes valid blocks for tests and synthetic model files.
 """
 
 from jds41.quant.blocks import SUPPORTED_TYPES, block_size, dequantize, row_bytes
-from jds41.quant.qtensor import QTensor, qmatmul, qmatmul_expert, qmatvec, qmatvec_experts
+from jds41.quant.qtensor import (
+    QTensor,
+    qmatmul,
+    qmatmul_expert,
+    qmatvec,
+    qmatvec_experts,
+    qmatvec_experts_parts,
+    qmatvec_parts,
+)
 
 __all__ = [
     "SUPPORTED_TYPES",
@@ -17,5 +25,7 @@ __all__ = [
     "qmatmul_expert",
     "qmatvec",
     "qmatvec_experts",
+    "qmatvec_experts_parts",
+    "qmatvec_parts",
     "row_bytes",
 ]

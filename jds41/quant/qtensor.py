@@ -1,7 +1,8 @@
 """`QTensor`, the weight leaf type for GGUF tensors, and the products that read only its quantized bytes.
 
 Owns: the `QTensor` pytree (raw GGUF rows as the one array leaf; type and logical shape as static data), and
-`qmatvec` (decode), `qmatmul` (prefill) and `qmatvec_experts` (routed experts gathered by index).
+`qmatvec` (decode), `qmatmul` (prefill) and `qmatvec_experts` (routed experts gathered by index); `qmatvec_parts`
+and `qmatvec_experts_parts` compute several products of one x (a gate and an up) as one kernel launch on CUDA.
 
 Memory policy (DESIGN.md §1, §7): experts stay quantized in every tier and are never materialized as f32 for decode.
 A `dot` does not take a dequantize into its fusion, so the one-token products are multiply-and-sum over out-major
@@ -45,6 +46,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax
@@ -256,19 +258,57 @@ def qmatvec(x_in: jax.Array, w: QTensor) -> jax.Array:
 
     Dequantize, multiply and reduce form one fusion, so the only weight bytes touched are the quantized ones.
     """
-    if x_in.ndim != 1 or len(w.data.shape) != 2:
-        raise ValueError(f"qmatvec takes x[in] and a 2-d weight, got x{list(x_in.shape)} and w{list(w.data.shape)}")
-    _check_in(x_in, w, "qmatvec")
+    return qmatvec_parts(x_in, (w,))[0]
+
+
+def qmatvec_parts(x_in: jax.Array, ws: tuple[QTensor, ...]) -> tuple[jax.Array, ...]:
+    """`qmatvec(x_in, w)` for each w of `ws`: on CUDA one kernel launch where they `share_a_launch` (a gate and
+    an up product of one x), with the bits of separate calls (a row's arithmetic is its tile's, and the tile is
+    the shape's)."""
+    for w in ws:
+        if x_in.ndim != 1 or len(w.data.shape) != 2:
+            raise ValueError(f"qmatvec takes x[in] and a 2-d weight, got x{list(x_in.shape)} and "
+                             f"w{list(w.data.shape)}")
+        _check_in(x_in, w, "qmatvec")
     if _ROWS_AS_DOTS.get():
-        return jnp.einsum("i,oi->o", _act(x_in, w), _values(w.data, w.qtype, w.layout),
-                          precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        return tuple(jnp.einsum("i,oi->o", _act(x_in, w), _values(w.data, w.qtype, w.layout),
+                                precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) for w in ws)
+    if not share_a_launch(ws):
+        return tuple(qmatvec_parts(x_in, (w,))[0] for w in ws)
+    w, raws, one = ws[0], _one_or_tuple(tuple(jnp.asarray(v.data)[None] for v in ws)), jnp.zeros(1, jnp.int32)
     if _int8(w):
-        return _int8_rows_matvec(x_in[None], w, jnp.asarray(w.data)[None], jnp.zeros(1, jnp.int32))[0]
-    xla = lambda x_I, raw_OR: _row_dot(_values(raw_OR, w.qtype, w.layout), _act(x_I, w))  # 2-d: no [1, out, in]
+        return tuple(y[0] for y in _as_tuple(_int8_rows_matvec(x_in[None], w, raws, one)))
+    xla = lambda x_I, raw_OR: _row_dot(_values(raw_OR, w.qtype, w.layout), _act(x_I, w))  # noqa: E731 (2-d)
     if not _kernel_applies(w):
-        return xla(x_in, w.data)
-    return rows_matvec(x_in[None], jnp.asarray(w.data)[None], jnp.zeros(1, jnp.int32), w.qtype, w.layout,
-                       default=lambda x, raw, _idx: xla(x[0], raw[0])[None])[0]
+        return tuple(xla(x_in, v.data) for v in ws)
+    default = lambda x, raw, _idx: _each(raw, lambda r: xla(x[0], r[0])[None])  # noqa: E731
+    return tuple(y[0] for y in _as_tuple(rows_matvec(x_in[None], raws, one, w.qtype, w.layout, default=default)))
+
+
+_SHARED_LAUNCH = os.environ.get("JDS41_SHARED_LAUNCH", "1") != "0"
+
+
+def share_a_launch(ws: tuple[QTensor, ...]) -> bool:
+    """Whether one kernel launch computes the products of all of `ws` with one x: one format, layout, stored
+    shape and activation rounding (the kernels read stacks of one shape, `triton_matvec.launch`); JDS41_SHARED_LAUNCH=0
+    (read at import) gives each its own launch, for A/B runs."""
+    w = ws[0]
+    return _SHARED_LAUNCH and all(v.qtype == w.qtype and v.layout == w.layout and v.act_round == w.act_round
+               and v.data.shape == w.data.shape for v in ws[1:])
+
+
+def _one_or_tuple(raws: tuple):
+    """One stack as an array (the one-stack kernel), several as a tuple (one launch for all)."""
+    return raws[0] if len(raws) == 1 else raws
+
+
+def _as_tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _each(raw, f):
+    """f of each stack of `raw` (an array, or a tuple of them), in the same structure."""
+    return tuple(f(r) for r in raw) if isinstance(raw, tuple) else f(raw)
 
 
 def qmatmul(x_TD: jax.Array, w: QTensor, *, precision=lax.Precision.HIGHEST) -> jax.Array:
@@ -310,30 +350,41 @@ def qmatvec_experts(x: jax.Array, w_stack: QTensor, expert_idx_K: jax.Array, til
     the multiply-reduce fusion, so no f32 copy of even one expert is made. `tile_k`: compute with the GPU kernel's
     tile for that many experts (a piece of a layer's K, computed where its rows are, sums as the whole would).
     """
-    if len(w_stack.data.shape) != 3 or expert_idx_K.ndim != 1 or x.ndim not in (1, 2):
-        raise ValueError(f"qmatvec_experts takes x[in] or x[K, in], w[E, out, in] and idx[K]; got x{list(x.shape)},"
-                         f" w{list(w_stack.data.shape)}, idx{list(expert_idx_K.shape)}")
-    _check_in(x, w_stack, "qmatvec_experts")
+    return qmatvec_experts_parts(x, (w_stack,), expert_idx_K, tile_k)[0]
+
+
+def qmatvec_experts_parts(x: jax.Array, w_stacks: tuple[QTensor, ...], expert_idx_K: jax.Array,
+                          tile_k: int | None = None) -> tuple[jax.Array, ...]:
+    """`qmatvec_experts(x, w, expert_idx_K, tile_k)` for each w of `w_stacks`: on CUDA one kernel launch where they
+    `share_a_launch` (a layer's gate and up stacks), with the bits of separate calls."""
     K = expert_idx_K.shape[0]
+    for w_stack in w_stacks:
+        if len(w_stack.data.shape) != 3 or expert_idx_K.ndim != 1 or x.ndim not in (1, 2):
+            raise ValueError(f"qmatvec_experts takes x[in] or x[K, in], w[E, out, in] and idx[K]; got "
+                             f"x{list(x.shape)}, w{list(w_stack.data.shape)}, idx{list(expert_idx_K.shape)}")
+        _check_in(x, w_stack, "qmatvec_experts")
     if x.ndim == 2 and x.shape[0] != K:
         raise ValueError(f"qmatvec_experts: x has {x.shape[0]} rows for {K} experts")
     if _ROWS_AS_DOTS.get():
-        w_KOI = _values(jnp.take(jnp.asarray(w_stack.data), expert_idx_K, axis=0, mode="clip"), w_stack.qtype,
-                        w_stack.layout)
         spec = "ki,koi->ko" if x.ndim == 2 else "i,koi->ko"
-        return jnp.einsum(spec, _act(x, w_stack), w_KOI, precision=lax.Precision.HIGHEST,
-                          preferred_element_type=jnp.float32)
+        return tuple(jnp.einsum(spec, _act(x, w), _values(jnp.take(jnp.asarray(w.data), expert_idx_K, axis=0,
+                                                                   mode="clip"), w.qtype, w.layout),
+                                precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) for w in w_stacks)
+    if not share_a_launch(w_stacks):
+        return tuple(qmatvec_experts_parts(x, (w,), expert_idx_K, tile_k)[0] for w in w_stacks)
 
+    w_stack = w_stacks[0]
     layout = w_stack.layout
+    raws = _one_or_tuple(tuple(jnp.asarray(w.data) for w in w_stacks))
     # a kernel's tile (formats the kernels take only)
     tile = lambda: None if tile_k is None else triton_matvec.default_tile(  # noqa: E731
         w_stack.qtype, tile_k, w_stack.data.shape[-2], w_stack.n_cols)
     if _int8(w_stack):
-        return _int8_rows_matvec(x.reshape(-1, x.shape[-1]), w_stack, jnp.asarray(w_stack.data), expert_idx_K, tile())
+        return _as_tuple(_int8_rows_matvec(x.reshape(-1, x.shape[-1]), w_stack, raws, expert_idx_K, tile()))
     x_XI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
     if not _kernel_applies(w_stack):
-        return xla_rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout)
-    return rows_matvec(x_XI, jnp.asarray(w_stack.data), expert_idx_K, w_stack.qtype, layout, tile=tile())
+        return tuple(xla_rows_matvec(x_XI, jnp.asarray(w.data), expert_idx_K, w.qtype, layout) for w in w_stacks)
+    return _as_tuple(rows_matvec(x_XI, raws, expert_idx_K, w_stack.qtype, layout, tile=tile()))
 
 
 def xla_rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml") -> jax.Array:
@@ -349,11 +400,11 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
     """`xla_rows_matvec`, computed on CUDA by the Triton kernel of triton_matvec (the choice is made when lowering:
     one traced function serves every platform). `default(x, raw, idx)` replaces the XLA spelling elsewhere; with
     JDS41_TRITON=interpret every platform runs the kernel, in Pallas' interpreter. `tile`: the kernel's, when not
-    the one its shape gives."""
+    the one its shape gives. `raw_EOR` may be a tuple of stacks of one shape: one launch, a tuple of results."""
     if triton_matvec.INTERPRET:
         return triton_matvec.rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout=layout, interpret=True, tile=tile)
     kernel = lambda x, raw, idx: triton_matvec.rows_matvec(x, raw, idx, qtype, layout=layout, tile=tile)
-    xla = default or (lambda x, raw, idx: xla_rows_matvec(x, raw, idx, qtype, layout))
+    xla = default or (lambda x, raw, idx: _each(raw, lambda r: xla_rows_matvec(x, r, idx, qtype, layout)))
     return lax.platform_dependent(x_XI, raw_EOR, idx_K, cuda=kernel, default=xla)
 
 
@@ -375,7 +426,10 @@ def _int8_rows_matvec(x_XI: jax.Array, w: QTensor, raw_EOR: jax.Array, idx_K: ja
     of quant/int8_act.py, by the dp4a kernel on CUDA (quant/triton_int8.py) where it takes the rows, else by XLA.
     Where the kernel runs, x is rounded by quant/int8_round_kernel.py's one launch (the same bits as `round_int8`;
     JDS41_INT8_ROUND_KERNEL=0 keeps XLA's three kernels, for A/B runs)."""
-    xla = lambda x, raw, idx: xla_int8_rows_matvec(*round_int8(x), raw, idx, w.qtype, w.layout)  # noqa: E731
+    def xla(x, raw, idx):
+        q, d = round_int8(x)
+        return _each(raw, lambda r: xla_int8_rows_matvec(q, d, r, idx, w.qtype, w.layout))
+
     if not triton_int8.supported(w.qtype, w.nbytes, w.layout):
         return xla(x_XI, raw_EOR, idx_K)
     crumbs = w.qtype == GGMLQuantizationType.Q2_K and int8_round_kernel.ENABLED  # the kernel writes Q2_K's order

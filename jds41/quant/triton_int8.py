@@ -224,7 +224,7 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     """`int8_act.xla_int8_rows_matvec` on the GPU: q int8 [1 or K, I], d f32 [1 or K, I / 32] (`round_int8`), raw
     rows [E, O, R] -> f32 [K, O]. `interpret` and `tile` as `triton_matvec.rows_matvec`. `q_crumb_major`: Q2_K's q
     comes already in the order its step reads (`triton_matvec._crumb_major`, as quant/int8_round_kernel.py writes
-    it), not in value order."""
+    it), not in value order. `raw_EOR` may be a tuple of stacks of one shape: one launch (`triton_matvec.launch`)."""
     K, X, n_in = idx_K.shape[0], q_XI.shape[0], q_XI.shape[1]
     bo, nb, warps, splits = tm.checked_tile("rows_matvec_int8", KINDS, qtype, layout, raw_EOR, K, X, n_in, tile)
     if d_XC.shape != (X, n_in // BLOCK):

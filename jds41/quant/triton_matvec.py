@@ -451,67 +451,85 @@ def _steps(qtype, planar: bool, n_in: int):
         else (_load_q2_k, _dot_q2_k)}[qtype]
 
 
-def _kernel(idx_ref, x_ref, w_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: int, nb: int, steps: int,
-            x_per_row: bool):
+def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: int, nb: int, steps: int,
+            x_per_row: bool, parts: int):
     """One program: BO rows of one selected matrix over `steps` steps of NB blocks (its split's share of the row)
-    summed into one f32 accumulator per row. `rest`: the step's other inputs (tables, x's scales), then the output.
-    With `prefetch` step t + 1's bytes are loaded before step t's arithmetic and carried in the loop (register
-    double buffering: Triton does not pipeline loads that feed no dot), so a program keeps a step's loads in flight
-    while it computes; the last step's arithmetic follows the loop. The order of the sums is the same either way."""
-    extra, o_ref = rest[:-1], rest[-1]
+    summed into one f32 accumulator per row. `rest`: the `parts` weight stacks, the step's other inputs (tables,
+    x's scales), then the output. With `prefetch` step t + 1's bytes are loaded before step t's arithmetic and
+    carried in the loop (register double buffering: Triton does not pipeline loads that feed no dot), so a program
+    keeps a step's loads in flight while it computes; the last step's arithmetic follows the loop. The order of the
+    sums is the same either way. With several parts (stacks of one shape read by one launch: a gate and an up
+    product of one x) program column j takes part j // (O / BO), and the part's arithmetic is the one-part
+    kernel's."""
+    w_refs, extra, o_ref = rest[:parts], rest[parts:-1], rest[-1]
     k, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kx = k if x_per_row else jnp.int32(0)
-    rows = idx_ref[k] * n_out + j * bo + jnp.arange(bo, dtype=jnp.int32)  # rows of the flattened [E * O, R] stack
+    per_part = n_out // bo
+    rows = idx_ref[k] * n_out + (j % per_part) * bo + jnp.arange(bo, dtype=jnp.int32)  # of the flat [E * O, R] stack
     blocks = lambda t: (split * steps + t) * nb + jnp.arange(nb, dtype=jnp.int32)  # noqa: E731
 
-    if prefetch:
-        def step(t, carry):
-            acc_O, loaded = carry
-            ahead = load(w_ref, rows, blocks(t + 1))
-            return acc_O + dot(loaded, x_ref, kx, blocks(t), *extra), ahead
+    def rows_of(w_ref):
+        if prefetch:
+            def step(t, carry):
+                acc_O, loaded = carry
+                ahead = load(w_ref, rows, blocks(t + 1))
+                return acc_O + dot(loaded, x_ref, kx, blocks(t), *extra), ahead
 
-        acc_O, last = lax.fori_loop(0, steps - 1, step, (jnp.zeros((bo,), jnp.float32), load(w_ref, rows, blocks(0))))
-        o_ref[0, 0, :] = acc_O + dot(last, x_ref, kx, blocks(steps - 1), *extra)
-    else:
-        def step(t, acc_O):
-            return acc_O + dot(load(w_ref, rows, blocks(t)), x_ref, kx, blocks(t), *extra)
+            acc_O, last = lax.fori_loop(0, steps - 1, step,
+                                        (jnp.zeros((bo,), jnp.float32), load(w_ref, rows, blocks(0))))
+            o_ref[0, 0, :] = acc_O + dot(last, x_ref, kx, blocks(steps - 1), *extra)
+        else:
+            def step(t, acc_O):
+                return acc_O + dot(load(w_ref, rows, blocks(t)), x_ref, kx, blocks(t), *extra)
 
-        o_ref[0, 0, :] = lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32))
+            o_ref[0, 0, :] = lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32))
+
+    if parts == 1:
+        rows_of(w_refs[0])
+    for p, w_ref in enumerate(w_refs if parts > 1 else ()):
+        pl.when(j // per_part == p)(functools.partial(rows_of, w_ref))
 
 
 def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, steps: int, interpret: bool, name: str):
     """The kernel over raw rows `raw_EOR` [E, O, R] for K = len(idx_K) selections (clamped to the stack), x [1 or
     K, ...] (in the form the step reads), `extra` the step's other inputs; tile (BO, NB, warps, splits), `steps`
-    steps a program. -> f32 [K, O], the splits' partial sums added in split order."""
-    E, n_out, R = raw_EOR.shape
-    K = idx_K.shape[0]
+    steps a program. -> f32 [K, O], the splits' partial sums added in split order. `raw_EOR` may be a tuple of
+    stacks of one shape (read with one x and one index list): one launch computes them all and returns a tuple."""
+    stacks = raw_EOR if isinstance(raw_EOR, tuple) else (raw_EOR,)
+    E, n_out, R = stacks[0].shape
+    if any(s.shape != stacks[0].shape for s in stacks):
+        raise ValueError(f"{name}: stacks read in one launch must have one shape, got {[s.shape for s in stacks]}")
+    K, P = idx_K.shape[0], len(stacks)
     bo, nb, warps, splits = tile
     kernel = functools.partial(_kernel, load=load, dot=dot, prefetch=prefetch, n_out=n_out, bo=bo, nb=nb,
-                               steps=steps, x_per_row=x_XI.shape[0] > 1)
+                               steps=steps, x_per_row=x_XI.shape[0] > 1, parts=P)
     params = None
     if interpret:  # Interpreted, the kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two
         # calls on one weight could then share its decoded loads (CSE) and fuse, and so round, by their surroundings.
         # The barrier keeps each call's arithmetic its own, as the compiled Triton kernel's is on the GPU.
-        x_XI, raw_EOR = lax.optimization_barrier((x_XI, raw_EOR))
+        x_XI, stacks = lax.optimization_barrier((x_XI, stacks))
     else:
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=warps, num_stages=2)
-    parts = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((splits, K, n_out), jnp.float32), grid=(K, n_out // bo, splits),
-        out_specs=pl.BlockSpec((1, 1, bo), lambda k, j, s: (s, k, j)), compiler_params=params, interpret=interpret,
-        name=name,
-    )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI, raw_EOR.reshape(E * n_out, R), *extra)
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((splits, K, P * n_out), jnp.float32),
+        grid=(K, P * n_out // bo, splits), out_specs=pl.BlockSpec((1, 1, bo), lambda k, j, s: (s, k, j)),
+        compiler_params=params, interpret=interpret, name=name,
+    )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI, *(s.reshape(E * n_out, R) for s in stacks), *extra)
     # The splits' partial sums in split order, one add at a time: XLA keeps the order of explicit float adds
     # wherever it fuses them, as it need not for a reduction over the split axis.
-    return functools.reduce(operator.add, (parts[s] for s in range(1, splits)), parts[0])
+    summed = functools.reduce(operator.add, (out[s] for s in range(1, splits)), out[0])
+    if not isinstance(raw_EOR, tuple):
+        return summed
+    return tuple(summed[:, p * n_out:(p + 1) * n_out] for p in range(P))
 
 
 def checked_tile(name: str, kinds, qtype, layout: str, raw_EOR, K: int, X: int, n_in: int,
                  tile) -> tuple[int, int, int, int]:
     """The checks a kernel entry `name` makes of its rows (one of `kinds`, whole blocks, under 2^31 bytes) and of x
     (1 or K rows), then its tile (BO, NB, warps, splits): `tile` (splits 1 when left out) or the shape's."""
-    E, n_out, R = raw_EOR.shape
+    E, n_out, R = (raw_EOR[0] if isinstance(raw_EOR, tuple) else raw_EOR).shape  # a tuple: launch checks the rest
     if (qtype, layout) not in kinds:
         raise ValueError(f"{name} does not take {qtype.name} rows in the {layout} layout")
     values, block, _ = BLOCKS[qtype]
@@ -533,7 +551,8 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
     clamped to the stack like `jnp.take(mode="clip")`. `interpret` runs the kernel in Pallas' interpreter (any
     platform: the CPU tests); `tile` (BO, NB, warps[, splits]) overrides the tile for benchmarks (BO must divide O,
     and NB * splits the row's blocks: each of `splits` programs sums its share of a row's steps, and the shares'
-    sums are added in split order)."""
+    sums are added in split order). `raw_EOR` may be a tuple of stacks of one shape: one launch, a tuple of results
+    (`launch`)."""
     K, n_in = idx_K.shape[0], x_XI.shape[1]
     bo, nb, warps, splits = checked_tile("rows_matvec", KINDS, qtype, layout, raw_EOR, K, x_XI.shape[0], n_in, tile)
     values = BLOCKS[qtype][0]
