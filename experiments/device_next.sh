@@ -9,7 +9,7 @@
 #   bash experiments/device_next.sh profile   # the decode profile with every opt-in on: each new kernel's us, ~3 min
 #   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
 #   bash experiments/device_next.sh round     # the int8 rounding kernel and shared gate/up launches: GPU tests, two
-#                                             # profiles (int8; Q8_0 rounded too), decode ABAB with both off, ~9 min
+#                                             # profiles (int8; Q8_0 rounded too), decode ABAB with both off, ~7 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 # Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
@@ -68,8 +68,7 @@ case "${1:-}" in
     for rep in 1 2; do  # ABAB: this session's two launch savings on, then both off
       python3 experiments/bench_decode.py "${common[@]}"
       JDS41_INT8_ROUND_KERNEL=0 JDS41_SHARED_LAUNCH=0 python3 experiments/bench_decode.py "${common[@]}"
-    done
-    JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${common[@]}" ;;
+    done ;;
   *)
     echo "usage: $0 kernels|tests|decode|depth|profile|round" >&2
     exit 2 ;;
