@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
-# The measurements queued for the next session that is lent the GPU box (the twenty-seventh session had none).
-# One device call per argument, each under the 600 s limit; results land in $OUT as the rows' JSON files.
+# The measurements queued for the next session that is lent the GPU box (the twenty-eighth session ran its tests,
+# decode, profile and depth calls: experiments/README.md). One device call per argument, each under the 600 s
+# limit; results land in $OUT as the rows' JSON files.
 #
 #   bash experiments/device_next.sh kernels   # Q8_0 under the int8 numerics: both kernel forms against f32, ~4 min
-#   bash experiments/device_next.sh tests     # the GPU tests of the int8 and top-K kernels, both Q8_0 forms, ~3 min
-#   bash experiments/device_next.sh decode    # V4.1 4L plain: jds41, int8; int8 with Q8_0; int8 with the top-K
-#                                             # kernel and the lanes Sinkhorn (three processes), ~7 min
-#   bash experiments/device_next.sh profile   # the decode profile with every opt-in on: each new kernel's us, ~3 min
 #   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
 #   bash experiments/device_next.sh round     # the int8 rounding kernel and shared gate/up launches: GPU tests, two
 #                                             # profiles (int8; Q8_0 rounded too), decode ABAB with both off, ~7 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 # Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
-# the command (JDS41_COMMIT=<sha> bash experiments/device_next.sh decode), so the rows name it.
+# the command (JDS41_COMMIT=<sha> bash experiments/device_next.sh round), so the rows name it.
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:.
@@ -27,25 +24,6 @@ case "${1:-}" in
       JDS41_INT8_Q8_0_FORM=$form python3 experiments/bench_kernels.py --shapes "$Q8_SHAPES" \
         --out "$OUT/bench_kernels_int8_q8_0_${form}_h200.jsonl"
     done ;;
-  tests)
-    for form in packs words; do
-      JDS41_INT8_Q8_0_FORM=$form python3 -m pytest -q -m gpu tests/test_int8_numerics.py tests/test_triton_matvec.py \
-        tests/test_topk_kernel.py tests/test_sinkhorn_kernel.py \
-        2>&1 | tail -5 | tee "$OUT/gpu_tests_int8_q8_0_${form}_h200.txt" || true  # a failure: the other form still runs
-    done ;;
-  decode)
-    common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
-            --usage-tokens 256 --prefill-budget-s 5)
-    python3 experiments/bench_decode.py "${common[@]}" --numerics jds41,int8 \
-      --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl"
-    JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${common[@]}" --numerics int8 \
-      --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl"
-    JDS41_TOPK_KERNEL=1 JDS41_SINKHORN_FORM=lanes python3 experiments/bench_decode.py "${common[@]}" \
-      --numerics int8 --out "$OUT/bench_decode_int8_q8_0_v41_4L_h200.jsonl" ;;
-  profile)
-    JDS41_INT8_Q8_0=1 JDS41_TOPK_KERNEL=1 JDS41_SINKHORN_FORM=lanes python3 experiments/profile_decode.py \
-      --arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8 \
-      --out "$OUT/profile_decode_optins_v41_4L_h200.jsonl" ;;
   depth)
     for n in 2 4 8; do
       python3 experiments/bench_decode.py --arch deepseek41 --layers $n --quant ds4-q2 --profiles plain \
@@ -70,6 +48,6 @@ case "${1:-}" in
       JDS41_INT8_ROUND_KERNEL=0 JDS41_SHARED_LAUNCH=0 python3 experiments/bench_decode.py "${common[@]}"
     done ;;
   *)
-    echo "usage: $0 kernels|tests|decode|depth|profile|round" >&2
+    echo "usage: $0 kernels|depth|round" >&2
     exit 2 ;;
 esac
