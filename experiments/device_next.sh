@@ -5,8 +5,9 @@
 #
 #   bash experiments/device_next.sh kernels   # Q8_0 under the int8 numerics: both kernel forms against f32, ~4 min
 #   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
-#   bash experiments/device_next.sh round     # the int8 rounding kernel and shared gate/up launches: GPU tests, two
-#                                             # profiles (int8; Q8_0 rounded too), decode ABAB with both off, ~7 min
+#   bash experiments/device_next.sh round     # the int8 rounding kernel and shared gate/up launches: GPU tests, three
+#                                             # profiles (on; both off; Q8_0 rounded too), then decode ABAB pairs
+#                                             # while SECONDS < ROUND_DECODE_UNTIL_S (330), ~5-7 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 # Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
@@ -37,13 +38,14 @@ case "${1:-}" in
     python3 -m pytest -q -m gpu tests/test_int8_round_kernel.py tests/test_shared_launch.py tests/test_sinkhorn_kernel.py \
       tests/test_topk_kernel.py 2>&1 | tail -3 | tee "$OUT/gpu_tests_round_shared_h200.txt" || true
     if grep -qE "failed|error" "$OUT/gpu_tests_round_shared_h200.txt"; then exit 1; fi  # no timing of a broken kernel
-    prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8)
-    python3 experiments/profile_decode.py "${prof[@]}" --out "$OUT/profile_decode_round_shared_v41_4L_h200.jsonl"
-    JDS41_INT8_Q8_0=1 python3 experiments/profile_decode.py "${prof[@]}" \
-      --out "$OUT/profile_decode_round_shared_q8_0_v41_4L_h200.jsonl"
+    prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8
+          --out "$OUT/profile_decode_round_shared_v41_4L_h200.jsonl")
+    python3 experiments/profile_decode.py "${prof[@]}"  # the kernel-level A/B: on, both off, Q8_0 rounded too
+    JDS41_INT8_ROUND_KERNEL=0 JDS41_SHARED_LAUNCH=0 python3 experiments/profile_decode.py "${prof[@]}"
+    JDS41_INT8_Q8_0=1 python3 experiments/profile_decode.py "${prof[@]}"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_round_shared_v41_4L_h200.jsonl")
-    for rep in 1 2; do  # ABAB: this session's two launch savings on, then both off
+    while (( SECONDS < ${ROUND_DECODE_UNTIL_S:-330} )); do  # decode ABAB while the call's time allows
       python3 experiments/bench_decode.py "${common[@]}"
       JDS41_INT8_ROUND_KERNEL=0 JDS41_SHARED_LAUNCH=0 python3 experiments/bench_decode.py "${common[@]}"
     done ;;
