@@ -40,14 +40,15 @@ case "${1:-}" in
     if grep -qE "failed|error" "$OUT/gpu_tests_round_shared_h200.txt"; then exit 1; fi  # no timing of a broken kernel
     prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8
           --out "$OUT/profile_decode_round_shared_v41_4L_h200.jsonl")
-    python3 experiments/profile_decode.py "${prof[@]}"  # the kernel-level A/B: on, both off, Q8_0 rounded too
-    JDS41_INT8_ROUND_KERNEL=0 JDS41_SHARED_LAUNCH=0 python3 experiments/profile_decode.py "${prof[@]}"
-    JDS41_INT8_Q8_0=1 python3 experiments/profile_decode.py "${prof[@]}"
+    on=(env JDS41_INT8_ROUND_KERNEL=1 JDS41_SHARED_LAUNCH=1)
+    "${on[@]}" python3 experiments/profile_decode.py "${prof[@]}"  # the kernel-level A/B: on, off, Q8_0 rounded too
+    python3 experiments/profile_decode.py "${prof[@]}"
+    "${on[@]}" JDS41_INT8_Q8_0=1 python3 experiments/profile_decode.py "${prof[@]}"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_round_shared_v41_4L_h200.jsonl")
     while (( SECONDS < ${ROUND_DECODE_UNTIL_S:-330} )); do  # decode ABAB while the call's time allows
+      "${on[@]}" python3 experiments/bench_decode.py "${common[@]}"
       python3 experiments/bench_decode.py "${common[@]}"
-      JDS41_INT8_ROUND_KERNEL=0 JDS41_SHARED_LAUNCH=0 python3 experiments/bench_decode.py "${common[@]}"
     done ;;
   *)
     echo "usage: $0 kernels|depth|round" >&2

@@ -1,11 +1,11 @@
 """The "int8" rounding as one Triton kernel (jds41/quant/int8_round_kernel.py), where the int8 products run on CUDA.
 
-On every machine: the kernel in Pallas' interpreter against `round_int8` (the reference) bit for bit, on rows with
-zero blocks, exact halves (ties to even), a value at the block maximum and the widths V4.1's products read, in value
-order and in Q2_K's crumb-major order (`_crumb_major` of the reference); an int8 product through it equals the one
-through XLA's rounding, bit for bit; lowered for CUDA, an int8 product rounds with the kernel, and with XLA's
-spelling when JDS41_INT8_ROUND_KERNEL=0. On a GPU (marker `gpu`): the compiled kernel against `round_int8` compiled
-by XLA for the GPU, bit for bit.
+On every machine: the kernel in Pallas' interpreter against `round_int8` (the reference) bit for bit, on rows with zero
+blocks, exact halves (ties to even), a value at the block maximum and the widths V4.1's products read, in value order
+and in Q2_K's crumb-major order (`_crumb_major` of the reference); an int8 product through it equals the one through
+XLA's rounding, bit for bit; lowered for CUDA, an int8 product rounds with the kernel where switched on
+(JDS41_INT8_ROUND_KERNEL=1), and with XLA's spelling otherwise. On a GPU (marker `gpu`): the compiled kernel against
+`round_int8` compiled by XLA for the GPU, bit for bit.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def test_a_row_width_that_is_not_whole_blocks_is_refused():
 @pytest.mark.parametrize("qtype", [T.Q2_K, T.IQ2_XXS, T.Q8_0])
 def test_an_int8_product_through_the_kernel_equals_the_one_through_xla_rounding(monkeypatch, qtype):
     """The product's path on CUDA, interpreted: the rounding kernel (Q2_K's q in its kernel's order) then the dp4a
-    kernel, against the same dp4a kernel fed by XLA's rounding (JDS41_INT8_ROUND_KERNEL=0)."""
+    kernel (JDS41_INT8_ROUND_KERNEL=1), against the same dp4a kernel fed by XLA's rounding (the default)."""
     from jds41.quant import int8_act, qtensor
 
     rng = np.random.default_rng(11)
@@ -76,6 +76,7 @@ def test_an_int8_product_through_the_kernel_equals_the_one_through_xla_rounding(
     monkeypatch.setattr(qtensor, "INT8_TYPES", int8_act.PRODUCT_TYPES)
     monkeypatch.setattr(triton_matvec, "INTERPRET", True)
     idx = jnp.asarray([3, 0, 2], jnp.int32)
+    monkeypatch.setattr(int8_round_kernel, "ENABLED", True)
     for x in (jnp.asarray(_activation(1, 512, seed=1)[0]), jnp.asarray(_activation(3, 512, seed=2))):
         got = np.asarray(qmatvec_experts(x, w, idx))
         monkeypatch.setattr(int8_round_kernel, "ENABLED", False)
@@ -84,7 +85,7 @@ def test_an_int8_product_through_the_kernel_equals_the_one_through_xla_rounding(
         np.testing.assert_array_equal(got, want)
 
 
-def test_int8_products_round_with_the_kernel_on_cuda_unless_switched_off(monkeypatch):
+def test_int8_products_round_with_the_kernel_on_cuda_where_switched_on(monkeypatch):
     rng = np.random.default_rng(4)
     raw = random_quantized(rng, T.IQ2_XXS, (8, 32, 512))
     w = QTensor.from_raw(raw, T.IQ2_XXS, (8, 32, 512), act_round="int8")
@@ -95,6 +96,7 @@ def test_int8_products_round_with_the_kernel_on_cuda_unless_switched_off(monkeyp
         return traced.lower(lowering_platforms=(platform,)).as_text()
 
     assert triton_matvec.has_triton_backend()  # the pinned jax has it
+    monkeypatch.setattr(int8_round_kernel, "ENABLED", True)
     assert "round_int8" in lowered("cuda") and "rows_matvec_int8" in lowered("cuda")
     assert "round_int8" not in lowered("cpu")
     monkeypatch.setattr(int8_round_kernel, "ENABLED", False)

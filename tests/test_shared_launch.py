@@ -1,12 +1,13 @@
 """Several products of one x as one kernel launch (triton_matvec.launch with a tuple of stacks; qtensor's
 `qmatvec_parts` and `qmatvec_experts_parts`): the gate and up products of a layer's experts and shared expert.
 
-On every machine, in Pallas' interpreter: the f32 kernel for every format and layout it takes, and the int8 kernel
-for each of its kinds, give each stack of a shared launch the bits of its own launch (shared and per-expert x, the
-rule's tile and a row split); the qtensor entries give the separate calls' bits through the kernel path and keep
-them when the stacks cannot share (another format); lowered for CUDA, a layer's gate and up are one Triton call,
-and two when they cannot share. On a GPU (marker `gpu`): the compiled shared launch at V4.1's routed gate/up (int8)
-and shared-expert gate/up (f32) shapes, bit for bit against one launch per stack.
+On every machine, in Pallas' interpreter: the f32 kernel for every format and layout it takes, and the int8 kernel for
+each of its kinds, give each stack of a shared launch the bits of its own launch (shared and per-expert x, the rule's
+tile and a row split); the qtensor entries give the separate calls' bits through the kernel path and keep them when the
+stacks cannot share (another format); lowered for CUDA, a layer's gate and up are one Triton call where switched on
+(JDS41_SHARED_LAUNCH=1), and two when they cannot share or it is off (the default). On a GPU (marker `gpu`): the
+compiled shared launch at V4.1's routed gate/up (int8) and shared-expert gate/up (f32) shapes, bit for bit against one
+launch per stack.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ def test_a_shared_int8_launch_gives_each_stack_its_own_bits(qtype, layout):
 
 @pytest.mark.parametrize("act_round", [None, "int8"])
 def test_the_parts_entries_give_the_separate_calls_bits(monkeypatch, act_round):
+    from jds41.quant import qtensor
+
     monkeypatch.setattr(triton_matvec, "INTERPRET", True)
+    monkeypatch.setattr(qtensor, "_SHARED_LAUNCH", True)
     rng, raws, rows = _stacks(T.IQ2_XXS, "planar", (6, 32, 512), seed=3)
     gate, up = (QTensor.from_raw(r, T.IQ2_XXS, (6, 32, 512), act_round).with_layout(p, "planar")
                 for r, p in zip(raws, rows, strict=True))
@@ -76,19 +80,29 @@ def test_the_parts_entries_give_the_separate_calls_bits(monkeypatch, act_round):
     _equal_each(qmatvec_experts_parts(x, (gate, other), idx), [qmatvec_experts(x, w, idx) for w in (gate, other)])
 
 
-def test_a_layers_gate_and_up_lower_to_one_triton_call_on_cuda():
+def test_a_layers_gate_and_up_lower_to_one_triton_call_on_cuda(monkeypatch):
+    from jds41.quant import int8_round_kernel, qtensor
+
+    monkeypatch.setattr(int8_round_kernel, "ENABLED", True)
+    monkeypatch.setattr(qtensor, "_SHARED_LAUNCH", True)
     rng = np.random.default_rng(4)
     stack = lambda qtype: QTensor.from_raw(random_quantized(rng, qtype, (8, 32, 512)), qtype, (8, 32, 512),  # noqa
                                            act_round="int8")
     x, idx = jnp.ones(512, jnp.float32), jnp.arange(3, dtype=jnp.int32)
 
-    def calls(ws):
+    def launches(ws):
+        """(product launches, rounding launches) in the lowered program: each launch is a call of its jitted
+        function (a kernel's custom call is written once, in that function)."""
         traced = jax.jit(lambda x, i: qmatvec_experts_parts(x, ws, i)).trace(x, idx)
-        return traced.lower(lowering_platforms=("cuda",)).as_text().count(f"custom_call @{TRITON_CALL}(")
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert TRITON_CALL in text
+        return text.count("call @rows_matvec"), text.count("call @round_int8_rows(")
 
-    assert calls((stack(T.IQ2_XXS),)) == 2  # the int8 rounding's launch (quant/int8_round_kernel.py), the product's
-    assert calls((stack(T.IQ2_XXS), stack(T.IQ2_XXS))) == 2  # gate and up: still one product launch
-    assert calls((stack(T.IQ2_XXS), stack(T.MXFP4))) == 3  # MXFP4 reads x as is: its own f32 launch
+    assert launches((stack(T.IQ2_XXS),)) == (1, 1)
+    assert launches((stack(T.IQ2_XXS), stack(T.IQ2_XXS))) == (1, 1)  # gate and up: one launch, x rounded once
+    assert launches((stack(T.IQ2_XXS), stack(T.MXFP4)))[0] == 2  # MXFP4 reads x as is: its own f32 launch
+    monkeypatch.setattr(qtensor, "_SHARED_LAUNCH", False)  # the default
+    assert launches((stack(T.IQ2_XXS), stack(T.IQ2_XXS)))[0] == 2
 
 
 # V4.1's routed gate/up (IQ2_XXS under int8, x shared by 6 experts) and shared-expert gate/up (Q8_0 planar, f32)
