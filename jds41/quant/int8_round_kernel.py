@@ -86,8 +86,7 @@ def round_int8_rows(x_XI: jax.Array, crumb_major: bool = False, interpret: bool 
     if n_in % BLOCK or (crumb_major and n_in % 256):
         raise ValueError(f"round_int8_rows: {n_in} values a row are not whole blocks of {256 if crumb_major else 32}")
     blocks = n_in // BLOCK
-    nbk = blocks & -blocks  # the largest power of two dividing the row's blocks, at most _MOST_BLOCKS
-    nbk = min(nbk, _MOST_BLOCKS)
+    nbk = min(blocks & -blocks, _MOST_BLOCKS)  # the largest power of two dividing the row's blocks, capped
     if crumb_major:
         nbk = max(nbk, 8)  # whole blocks of 256 a program (n_in % 256 == 0 makes 8 divide the blocks)
     params = None
@@ -104,4 +103,4 @@ def round_int8_rows(x_XI: jax.Array, crumb_major: bool = False, interpret: bool 
         kernel, out_shape=(jax.ShapeDtypeStruct((X, n_in), jnp.int8), jax.ShapeDtypeStruct((X, blocks), jnp.float32)),
         grid=(X, blocks // nbk), compiler_params=params, interpret=interpret, name="round_int8",
     )(jnp.asarray(x_XI, jnp.float32))
-    return (lax.optimization_barrier((q, d)) if interpret else (q, d))
+    return lax.optimization_barrier((q, d)) if interpret else (q, d)

@@ -486,8 +486,9 @@ def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: in
 
     if parts == 1:
         rows_of(w_refs[0])
-    for p, w_ref in enumerate(w_refs if parts > 1 else ()):
-        pl.when(j // per_part == p)(functools.partial(rows_of, w_ref))
+    else:
+        for p, w_ref in enumerate(w_refs):
+            pl.when(j // per_part == p)(functools.partial(rows_of, w_ref))
 
 
 def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, steps: int, interpret: bool, name: str):
