@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 from jds41.compile_cache import OFF, enable_compile_cache
 
@@ -31,6 +32,7 @@ def _entries(path: Path) -> set[str]:
     return {p.name for p in path.glob("*-cache")} if path.exists() else set()
 
 
+@pytest.mark.slow  # two cold subprocess runs (~100 s on 2 cores)
 def test_a_second_run_loads_the_first_runs_programs_and_gives_its_tokens(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -177,6 +177,7 @@ def test_the_token_feed_hands_every_fed_id_to_the_prefetch_thread(model, hasher)
     assert not thread.is_alive()
 
 
+@pytest.mark.slow  # two engines over SSD experts (~85 s on 2 cores)
 def test_an_ssd_expert_tier_with_hash_layers_feeds_its_prefetch(path, monkeypatch):
     """The ssd-heavy profile (SSD experts, hash layers) keeps the callback by default (measured faster there) and
     takes the handler with the token feed when asked; its greedy tokens equal the callback's (which prefetches

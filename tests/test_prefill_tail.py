@@ -40,7 +40,12 @@ def _profile(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("arch,tiered", [("deepseek41", False), ("deepseek4", False), ("deepseek41", True)])
+SLOW = pytest.mark.slow
+
+
+# The default run keeps one architecture's untiered case (the README's ~15-minute budget); the others are slow.
+@pytest.mark.parametrize("arch,tiered", [("deepseek41", False), pytest.param("deepseek4", False, marks=SLOW),
+                                         pytest.param("deepseek41", True, marks=SLOW)])
 def test_a_short_group_in_a_longer_program_equals_the_group_alone(synthetic_model, tmp_path, arch, tiered):
     engine = Engine.open(str(synthetic_model(arch, "tiny", "q8")), max_ctx=64,
                          profile=_profile(tmp_path) if tiered else None)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # every probe program compiled (~60 s on 2 cores)
 def test_probe_runs_every_program_and_moves_the_right_bytes(tmp_path):
     sys.path.insert(0, str(ROOT / "experiments"))
     from probe_host_copy import main

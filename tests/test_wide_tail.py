@@ -22,6 +22,7 @@ from jds41 import prompt_pieces as PP
 from jds41.engine import Engine
 
 R, CHUNK = 8, 32  # full groups of 4 blocks
+SLOW = pytest.mark.slow
 SPLIT = {"name": "split3", "tier0_bytes": 0.3, "tier1_bytes": 0.3, "placement_source": "uniform",
          "slot_cache_slots": 2, "lookahead": 1}
 
@@ -81,7 +82,9 @@ def _group(engine, state, tokens, blocks=None, last=False, history=()):
                                         None if blocks is None else jnp.int32(n // R))
 
 
-@pytest.mark.parametrize("arch,tiered", [("deepseek41", False), ("deepseek4", False), ("deepseek41", True)])
+# The default run keeps one architecture's untiered case (the README's ~15-minute budget); the others are slow.
+@pytest.mark.parametrize("arch,tiered", [("deepseek41", False), pytest.param("deepseek4", False, marks=SLOW),
+                                         pytest.param("deepseek41", True, marks=SLOW)])
 def test_a_tail_in_the_group_program_equals_its_blocks_read_alone(synthetic_model, tmp_path, arch, tiered):
     """After a full group, 3 blocks read by the 4-block program (n_valid 3) and by a 3-block program: logits, routing,
     features and every leaf of the state the same; the last-row head alone the same as the last row."""
@@ -105,6 +108,8 @@ def test_a_tail_in_the_group_program_equals_its_blocks_read_alone(synthetic_mode
     np.testing.assert_array_equal(np.asarray(last)[0], np.asarray(want[0])[-1])
 
 
+# slow for both: test_prompt_width.py's cuts (default run) cover tails after a full group too
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["deepseek41", "deepseek4"])
 def test_prompts_with_a_tail_give_the_bits_of_one_block_groups(synthetic_model, arch):
     """61 tokens are a full group, a 3-block tail and a 5-token rest; an engine whose groups are single blocks
