@@ -5,9 +5,10 @@
 #
 #   bash experiments/device_next.sh kernels   # Q8_0 under the int8 numerics: both kernel forms against f32, ~4 min
 #   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
-#   bash experiments/device_next.sh round     # the int8 rounding kernel and shared gate/up launches: GPU tests, three
-#                                             # profiles (on; both off; Q8_0 rounded too), then decode ABAB pairs
-#                                             # while SECONDS < ROUND_DECODE_UNTIL_S (330), ~5-7 min
+#   bash experiments/device_next.sh round     # the int8 rounding kernel, shared gate/up launches and attention
+#                                             # kernels: GPU tests, then with the switches whose tests passed three
+#                                             # profiles (on; all off; Q8_0 rounded too), then decode ABAB pairs
+#                                             # while SECONDS < ROUND_DECODE_UNTIL_S (330), ~6-8 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 # Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
@@ -35,12 +36,21 @@ case "${1:-}" in
     python3 experiments/extrapolate_depth.py "$OUT/bench_decode_depth_v41_h200.jsonl" \
       --out "$OUT/extrapolate_depth_v41_h200.jsonl" ;;
   round)
-    python3 -m pytest -q -m gpu tests/test_int8_round_kernel.py tests/test_shared_launch.py tests/test_sinkhorn_kernel.py \
-      tests/test_topk_kernel.py 2>&1 | tail -3 | tee "$OUT/gpu_tests_round_shared_h200.txt" || true
-    if grep -qE "failed|error" "$OUT/gpu_tests_round_shared_h200.txt"; then exit 1; fi  # no timing of a broken kernel
+    passes() {  # the GPU tests of these files pass (their summary goes into the call's record)
+      local log
+      log=$(python3 -m pytest -q -m gpu "$@" 2>&1 | tail -3)
+      printf '== %s (JDS41_ATTN_KERNEL=%s)\n%s\n' "$*" "${JDS41_ATTN_KERNEL:-0}" "$log" >>"$OUT/gpu_tests_round_h200.txt"
+      grep -q "passed" <<<"$log" && ! grep -qE "failed|error" <<<"$log"
+    }
+    passes tests/test_sinkhorn_kernel.py tests/test_topk_kernel.py || true  # the defaults, for the record
+    on=(env)  # each switch whose GPU tests pass; no timing of a broken kernel
+    passes tests/test_int8_round_kernel.py && on+=(JDS41_INT8_ROUND_KERNEL=1)
+    passes tests/test_shared_launch.py && on+=(JDS41_SHARED_LAUNCH=1)
+    passes tests/test_attention_kernel.py && (export JDS41_ATTN_KERNEL=1; passes tests/test_gpu_paths.py) \
+      && on+=(JDS41_ATTN_KERNEL=1)
+    if (( ${#on[@]} == 1 )); then exit 1; fi
     prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8
           --out "$OUT/profile_decode_round_shared_v41_4L_h200.jsonl")
-    on=(env JDS41_INT8_ROUND_KERNEL=1 JDS41_SHARED_LAUNCH=1)
     "${on[@]}" python3 experiments/profile_decode.py "${prof[@]}"  # the kernel-level A/B: on, off, Q8_0 rounded too
     python3 experiments/profile_decode.py "${prof[@]}"
     "${on[@]}" JDS41_INT8_Q8_0=1 python3 experiments/profile_decode.py "${prof[@]}"

@@ -140,7 +140,8 @@ def test_drafting_at_the_decode_width_equals_plain_decode_at_that_width(tmp_path
         SpeculativeSession(Engine.open(str(path), max_ctx=CTX, decode_width=k), DSparkDrafter.open(engine, "self"))
 
 
-@pytest.mark.parametrize("tiered", [False, pytest.param(True, marks=SLOW)])
+# slow (~150 s on 2 cores): the default run's width property is test_verify_rows_equal_decode_at_the_same_width
+@pytest.mark.parametrize("tiered", [pytest.param(False, marks=SLOW), pytest.param(True, marks=SLOW)])
 def test_prompt_pieces_at_the_decode_width_equal_decode_at_that_width(synthetic_model, tmp_path, monkeypatch,
                                                                        tiered):
     """A prompt cut into whole W-row blocks (block_step.prefill_rows, a scan of batched passes; pieces of 6, 4 and 1

@@ -6,7 +6,8 @@ In one engine with the kernel (V4.1 tiny, MXFP4 experts and two DSpark stages): 
 host, SSD through a 2-slot cache) gives the resident logits bit for bit and the same greedy tokens; the device loop
 gives the step loop's tokens; drafting gives plain greedy decode's tokens, at decode width 1 and at width 4 (the
 vmapped kernel); the wide prompt pass keeps its bits for any cut. Against the XLA engine in this process (the
-reference path): the same logits to f32 rounding, and not the same bits (the kernel really ran).
+reference path): the same logits to f32 rounding, and not the same bits (the kernel really ran). The "attention"
+case runs the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1) under the same promises.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from jds41.speculative import DSparkDrafter, SpeculativeSession
 
 model, profile, out = sys.argv[1:4]
 toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
-res = {"interpret": triton_matvec.INTERPRET}
+from jds41.layers import attention_kernel
+res = {"interpret": triton_matvec.INTERPRET, "attention_kernel": attention_kernel.applies(32)}
 e = Engine.open(model, max_ctx=128, prefill_chunk=16)
 want = e.session().feed(toks, all_logits=True)
 np.save(out, want)
@@ -62,22 +64,25 @@ print(json.dumps(res))
 """
 
 
-def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path):
+# "attention": the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1), vmapped at width 4
+@pytest.mark.parametrize("kernels", ["products", "attention"])
+def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
     model = str(synthetic_model("deepseek41", "tiny", "mxfp4", draft_stages=2))
     profile = tmp_path / "split3.json"
     profile.write_text(json.dumps(SPLIT))
     out = tmp_path / "kernel_logits.npy"
     env = {**os.environ, "JDS41_TRITON": "interpret", "JAX_PLATFORMS": "cpu",
+           "JDS41_ATTN_KERNEL": "1" if kernels == "attention" else "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", ENGINE_RUN, model, str(profile), str(out)], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=1100)
     assert res.returncode == 0, res.stderr[-4000:]
     checks = json.loads(res.stdout.strip().splitlines()[-1])
-    assert checks == {"interpret": True, "tiered_logits_equal": True, "tiered_tokens_equal": True,
-                      "device_loop_equal": True, "draft_equal": True, "width4_draft_equal": True,
-                      "wide_cut_equal": True}, checks
+    assert checks == {"interpret": True, "attention_kernel": kernels == "attention", "tiered_logits_equal": True,
+                      "tiered_tokens_equal": True, "device_loop_equal": True, "draft_equal": True,
+                      "width4_draft_equal": True, "wide_cut_equal": True}, checks
     kernel = np.load(out)
     toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
     xla = Engine.open(model, max_ctx=128, prefill_chunk=16).session().feed(toks, all_logits=True)
     np.testing.assert_allclose(kernel, xla, rtol=0, atol=1e-5 * np.abs(xla).max())
-    assert not np.array_equal(kernel, xla)  # the products were the kernel's, not XLA's
+    assert not np.array_equal(kernel, xla)  # the products (and attention) were the kernels', not XLA's

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jds41.config import ModelConfig
+from jds41.layers import attention_kernel
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
 from jds41.quant import qmatvec, qmatvec_experts
@@ -64,12 +65,22 @@ def push_ring(ring: dict, kv: jax.Array, pos: jax.Array) -> dict:
 
 
 def attend(cfg: ModelConfig, w: dict, q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array) -> jax.Array:
-    """Softmax over the valid keys plus the per-head sink (denominator only); returns [H, HD]."""
+    """Softmax over the valid keys plus the per-head sink (denominator only); returns [H, HD]. On CUDA with
+    JDS41_ATTN_KERNEL=1, layers/attention_kernel.py's two launches; the XLA spelling below is the reference."""
+    sink_H = w["attn_sinks"]
+    if attention_kernel.applies(q_HK.shape[-1]):
+        return attention_kernel.attend(q_HK, keys_NK, valid_N, sink_H, cfg.head_dim ** -0.5,
+                                       default=lambda q, k, v: attend_xla(cfg, sink_H, q, k, v))
+    return attend_xla(cfg, sink_H, q_HK, keys_NK, valid_N)
+
+
+def attend_xla(cfg: ModelConfig, sink_H: jax.Array, q_HK: jax.Array, keys_NK: jax.Array,
+               valid_N: jax.Array) -> jax.Array:
+    """`attend` as XLA computes it (the reference of the kernels)."""
     # HIGHEST: XLA:GPU runs a DEFAULT-precision f32 dot in TF32 (10-bit mantissa); on the H200 that put the wide
     # prompt pass 7e-4 away from decode on logits of size 4 (tests/test_prompt_width.py), where f32 keeps 2e-6.
     logits = jnp.einsum("hk,nk->hn", q_HK, keys_NK, precision=HIGHEST) * cfg.head_dim ** -0.5
     logits = jnp.where(valid_N[None, :], logits, -jnp.inf)
-    sink_H = w["attn_sinks"]
     top = jnp.maximum(jnp.max(logits, axis=1), sink_H)
     e = jnp.exp(logits - top[:, None])
     denom = jnp.sum(e, axis=1) + jnp.exp(sink_H - top)
