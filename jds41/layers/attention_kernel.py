@@ -1,11 +1,11 @@
 """Attention of one token over its keys (attention.attend) as two Pallas (Triton) launches on the GPU, split over
 the keys as flash-decoding does (opt-in with JDS41_ATTN_KERNEL=1: it has not yet run on a GPU).
 
-Why (results/profile_decode_optins_v41_4L_h200.jsonl, `one_token`): XLA:GPU runs `attend` for one token as six
+Why (results/profile_decode_optins_v41_4L_h200.jsonl, `one_token`): XLA:GPU runs `attend` for one token as seven
 kernels a layer (the scores' product, the mask, the maximum, the exponentials' sum, the division, the weighted
-sum), about 16 us, for V4.1's ~40 M multiply-adds (64 heads, 512-wide latents, ~640 keys), which the H200 does
-in about a microsecond. One program per head block would be too few programs for that work, so the keys are cut
-into chunks of BN:
+sum, a reduction after it), 17.7 us, for V4.1's ~40 M multiply-adds (64 heads, 512-wide latents, ~640 keys),
+which the H200 does in about a microsecond. One program per head block would be too few programs for that work,
+so the keys are cut into chunks of BN:
 - `_partials` (grid: head blocks x key chunks): a chunk's scores s = q.k * scale (masked keys -inf), their maximum
   m, p = exp(s - m), l = sum p and acc = p @ keys, per head;
 - `_combine` (grid: blocks of CH heads x blocks of BK latent columns): top = max(max_c m_c, sink), w_c = exp(m_c - top),
