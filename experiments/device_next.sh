@@ -7,8 +7,8 @@
 #   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
 #   bash experiments/device_next.sh round     # the int8 rounding kernel, shared gate/up launches and attention
 #                                             # kernels: GPU tests, then with the switches whose tests passed three
-#                                             # profiles (on; all off; Q8_0 rounded too), then decode ABAB pairs
-#                                             # while SECONDS < ROUND_DECODE_UNTIL_S (330), ~6-8 min
+#                                             # profiles (on; all off; Q8_0 rounded too), then decode ABAB pairs,
+#                                             # one and more while SECONDS < ROUND_DECODE_UNTIL_S (330), ~7-9 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 # Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
@@ -42,7 +42,6 @@ case "${1:-}" in
       printf '== %s (JDS41_ATTN_KERNEL=%s)\n%s\n' "$*" "${JDS41_ATTN_KERNEL:-0}" "$log" >>"$OUT/gpu_tests_round_h200.txt"
       grep -q "passed" <<<"$log" && ! grep -qE "failed|error" <<<"$log"
     }
-    passes tests/test_sinkhorn_kernel.py tests/test_topk_kernel.py || true  # the defaults, for the record
     on=(env)  # each switch whose GPU tests pass; no timing of a broken kernel
     passes tests/test_int8_round_kernel.py && on+=(JDS41_INT8_ROUND_KERNEL=1)
     passes tests/test_shared_launch.py && on+=(JDS41_SHARED_LAUNCH=1)
@@ -56,9 +55,10 @@ case "${1:-}" in
     "${on[@]}" JDS41_INT8_Q8_0=1 python3 experiments/profile_decode.py "${prof[@]}"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_round_shared_v41_4L_h200.jsonl")
-    while (( SECONDS < ${ROUND_DECODE_UNTIL_S:-330} )); do  # decode ABAB while the call's time allows
+    while true; do  # decode ABAB: one pair, then more while the call's time allows
       "${on[@]}" python3 experiments/bench_decode.py "${common[@]}"
       python3 experiments/bench_decode.py "${common[@]}"
+      (( SECONDS < ${ROUND_DECODE_UNTIL_S:-330} )) || break
     done ;;
   *)
     echo "usage: $0 kernels|depth|round" >&2
