@@ -194,11 +194,20 @@ def hlo_sources(dump_dir: str) -> dict[str, tuple[str, str, str]]:
     return out
 
 
+# Pallas kernels by the name their pallas_call gives them -> the module that owns them
+NAMED_KERNELS = {"router_top_k": "layers/topk_kernel.py", "mhc_sinkhorn": "layers/sinkhorn_kernel.py",
+                 "attend_partials": "layers/attention_kernel.py", "attend_combine": "layers/attention_kernel.py",
+                 "round_int8": "quant/int8_round_kernel.py"}
+
+
 def part_of(name: str, sources: dict[str, str]) -> str:
     """The model part a kernel belongs to: its source module (e.g. 'layers/mhc.py'), or a class by name."""
     src = sources.get(name)
     if src:
         return "/".join(p for p in (src[2], src[1].split(":", 1)[0]) if p)
+    named = next((m for k, m in NAMED_KERNELS.items() if name.startswith(k)), None)
+    if named:
+        return named
     low = name.lower()
     if "memcpy" in low or "memset" in low:
         return "copies"

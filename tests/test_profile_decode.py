@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from serve_harness import REPO
@@ -78,6 +79,13 @@ def test_a_fusion_is_attributed_to_its_jds41_source_and_model_part(tmp_path):
     assert sources["input_reduce_fusion.3"] == want and sources["input_reduce_fusion_3"] == want  # GPU spelling
     assert P.part_of("input_reduce_fusion_3", sources) == "attn/layers/attention.py"
     assert P.part_of("MemcpyD2H", sources) == "copies" and P.part_of("rows_matvec_q8_0_planar", {}).startswith("quant")
+
+
+def test_the_named_pallas_kernels_are_attributed_to_the_modules_that_launch_them():
+    root = Path(REPO) / "jds41"
+    for name, module in P.NAMED_KERNELS.items():
+        assert f'name="{name}"' in (root / module).read_text(), (name, module)  # the pallas_call's own name
+        assert P.part_of(f"{name}_3", {}) == module
 
 
 @pytest.mark.slow
