@@ -9,6 +9,9 @@
 #                                             # kernels: GPU tests, then with the switches whose tests passed three
 #                                             # profiles (on; all off; Q8_0 rounded too), then decode ABAB pairs,
 #                                             # one and more while SECONDS < ROUND_DECODE_UNTIL_S (330), ~7-9 min
+#   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
+#                                             # (llama.cpp 337 tok/s), last measured at e824a44: defaults, then the
+#                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 # Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
@@ -60,7 +63,14 @@ case "${1:-}" in
       python3 experiments/bench_decode.py "${common[@]}"
       (( SECONDS < ${ROUND_DECODE_UNTIL_S:-330} )) || break
     done ;;
+  v4)
+    v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
+        --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
+    python3 experiments/bench_decode.py "${v4[@]}"  # writes the 28 GB file once; the row below reads it again
+    if [ -n "${V4_ON:-}" ]; then
+      env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
+    fi ;;
   *)
-    echo "usage: $0 kernels|depth|round" >&2
+    echo "usage: $0 kernels|depth|round|v4" >&2
     exit 2 ;;
 esac
