@@ -61,7 +61,7 @@ def _attention_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, new_st: list, h
     W = h_W.shape[0]
     freqs = jnp.asarray(layer_rope_freqs(cfg, lp.index))
     st = dict(new_st[lp.index])
-    q, qr = jax.vmap(lambda h, p: attention.query(cfg, w, h, p, freqs))(h_W, pos_W)
+    q, qr = jax.vmap(lambda h: attention.query(cfg, w, h))(h_W)
     kv = jax.vmap(lambda h, p: attention.latent(cfg, w, h, p, freqs))(h_W, pos_W)
     ring = st["ring"]
     for i in range(W):
@@ -112,16 +112,16 @@ def _attention_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, new_st: list, h
             sel, sel_valid = shared[("topk", lp.index_source)]
             extra_kv, extra_valid, batched = src[sel], sel_valid, True
 
-    def attend(q_HK, wkv, wvalid, ekv, evalid):
+    def attend(q_HK, pos, wkv, wvalid, ekv, evalid):
         keys, valid = [wkv], [wvalid]
         if ekv is not None:
             keys.append(ekv)
             valid.append(evalid)
-        return attention.attend(cfg, w, q_HK, jnp.concatenate(keys), jnp.concatenate(valid))
+        return attention.attend(cfg, w, q_HK, jnp.concatenate(keys), jnp.concatenate(valid), pos, freqs)
 
-    in_axes = (0, 0, 0, 0 if batched else None, 0 if extra_valid is not None else None)
-    o = jax.vmap(attend, in_axes=in_axes)(q, win_kv, win_valid, extra_kv, extra_valid)
-    return jax.vmap(lambda o_HK, p: attention.output(cfg, w, o_HK, p, freqs))(o, pos_W), small
+    in_axes = (0, 0, 0, 0, 0 if batched else None, 0 if extra_valid is not None else None)
+    o = jax.vmap(attend, in_axes=in_axes)(q, pos_W, win_kv, win_valid, extra_kv, extra_valid)
+    return jax.vmap(lambda o_HK: attention.output(cfg, w, o_HK))(o), small
 
 
 def _first_rows(a_n, width: int):

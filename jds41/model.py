@@ -143,7 +143,7 @@ def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_
     cfg = plan.cfg
     freqs = jnp.asarray(layer_rope_freqs(cfg, lp.index))
     st = dict(st_all[lp.index])
-    q, qr = attention.query(cfg, w, h_D, pos, freqs)
+    q, qr = attention.query(cfg, w, h_D)
     st["ring"] = attention.push_ring(st["ring"], attention.latent(cfg, w, h_D, pos, freqs), pos)
     win_kv, win_valid = attention.window_rows(st["ring"], cfg.window, pos)
     keys, valid = [win_kv], [win_valid]
@@ -176,8 +176,8 @@ def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_
             sel, sel_valid = shared[("topk", lp.index_source)]
             keys.append(src[sel])
             valid.append(sel_valid)
-    o = attention.attend(cfg, w, q, jnp.concatenate(keys), jnp.concatenate(valid))
-    return attention.output(cfg, w, o, pos, freqs)
+    o = attention.attend(cfg, w, q, jnp.concatenate(keys), jnp.concatenate(valid), pos, freqs)
+    return attention.output(cfg, w, o)
 
 
 def _update_latent_keys(cfg, w, idx_st, latent, pos, ratio, freqs):

@@ -1,11 +1,12 @@
 """One token's attention as two Triton launches (jds41/layers/attention_kernel.py), opt-in with JDS41_ATTN_KERNEL=1.
 
 On every machine: the kernels in Pallas' interpreter against `attention.attend_xla` (the reference) and a float64
-numpy re-derivation, over key counts that are not whole chunks, masked keys, a query whose keys are all masked
-(the sink alone), head counts that are not whole head blocks; a row's output does not depend on the rows around it
-(vmapped, permuted). Lowered for CUDA with the switch on, `attend` is the two Triton calls; for the CPU, or with the
-switch off, it is not. On a GPU (marker `gpu`): the compiled kernels against the XLA spelling, and one row against
-the same row in a vmapped block.
+numpy re-derivation (RoPE of q at the token's position, V4's per-head RMS norm, the softmax with the sink, the
+output turned back), over key counts that are not whole chunks, masked keys, a query whose keys are all masked
+(the sink alone), head counts that are not whole head blocks, RoPE over part of the latent or all of it; a row's
+output does not depend on the rows around it (vmapped, permuted, each row at its own position). Lowered for CUDA
+with the switch on, `attend` is the two Triton calls; for the CPU, or with the switch off, it is not. On a GPU
+(marker `gpu`): the compiled kernels against the XLA spelling, and one row against the same row in a vmapped block.
 """
 
 from __future__ import annotations
@@ -23,73 +24,113 @@ from jds41.layers.attention_kernel import attend_kernels
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
-def _case(heads: int, kdim: int, n: int, seed: int = 0, masked: float = 0.2):
+def _case(heads: int, kdim: int, n: int, seed: int = 0, masked: float = 0.2, rope: int = 16):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((heads, kdim)).astype(np.float32)
     keys = rng.standard_normal((n, kdim)).astype(np.float32)
     valid = rng.random(n) >= masked
     sink = (rng.standard_normal(heads) * 2).astype(np.float32)
-    return q, keys, valid, sink
+    freqs = (10000.0 ** -(np.arange(rope // 2) * 2 / rope)).astype(np.float32)
+    return q, keys, valid, sink, np.int32(rng.integers(0, 5000)), freqs
 
 
-def _cfg(kdim: int):
-    return types.SimpleNamespace(head_dim=kdim)
+def _cfg(kdim: int, head_norm: bool = False):
+    return types.SimpleNamespace(head_dim=kdim, q_head_norm=head_norm, rms_eps=1e-6)
 
 
-def _numpy_attend(q, keys, valid, sink):
-    """attention.py's module docstring in float64: softmax over the valid keys with the sink in the denominator."""
-    s = q.astype(np.float64) @ keys.astype(np.float64).T / np.sqrt(q.shape[1])
+def _numpy_turn(x, pos, freqs, sign):
+    """Adjacent pairs of x's last 2 len(freqs) columns turned by sign * pos * freqs, float64 but for the angle,
+    which is one f32 product as rope.py (and ggml) take it (at pos ~5000 its rounding alone moves values ~1e-5)."""
+    x = x.astype(np.float64).copy()
+    angle = sign * (np.float32(pos) * freqs.astype(np.float32)).astype(np.float64)
+    a, b = x[:, -2 * len(freqs)::2].copy(), x[:, -2 * len(freqs) + 1::2].copy()
+    x[:, -2 * len(freqs)::2] = a * np.cos(angle) - b * np.sin(angle)
+    x[:, -2 * len(freqs) + 1::2] = a * np.sin(angle) + b * np.cos(angle)
+    return x
+
+
+def _numpy_attend(q, keys, valid, sink, pos, freqs, head_norm=False):
+    """attention.py's module docstring in float64: V4's head norm, RoPE of q, softmax over the valid keys with the
+    sink in the denominator, the weighted latents turned back."""
+    q = q.astype(np.float64)
+    if head_norm:
+        q = q / np.sqrt(np.mean(q * q, axis=1, keepdims=True) + 1e-6)
+    s = _numpy_turn(q, pos, freqs, 1) @ keys.astype(np.float64).T / np.sqrt(q.shape[1])
     s = np.where(valid[None, :], s, -np.inf)
     top = np.maximum(s.max(axis=1), sink)
     e = np.exp(s - top[:, None])
-    return (e / (e.sum(axis=1) + np.exp(sink - top))[:, None]) @ keys.astype(np.float64)
+    return _numpy_turn((e / (e.sum(axis=1) + np.exp(sink - top))[:, None]) @ keys.astype(np.float64), pos, freqs, -1)
 
 
-@pytest.mark.parametrize("heads,kdim,n", [(2, 32, 45), (20, 64, 96), (64, 512, 70)])
-def test_the_interpreted_kernels_equal_the_reference(heads, kdim, n):
-    q, keys, valid, sink = _case(heads, kdim, n)
-    got = np.asarray(attend_kernels(q, keys, valid, sink, kdim ** -0.5, interpret=True))
-    want = np.asarray(jax.jit(lambda *a: attention.attend_xla(_cfg(kdim), sink, *a))(q, keys, valid))
+def _kernels(q, keys, valid, sink, pos, freqs, head_norm=False, interpret=True, turn_inside=None):
+    return attend_kernels(q, keys, valid, sink, pos, freqs, q.shape[1] ** -0.5, 1e-6 if head_norm else None,
+                          interpret=interpret, turn_inside=turn_inside)
+
+
+def _xla(q, keys, valid, sink, pos, freqs, head_norm=False):
+    cfg = _cfg(q.shape[1], head_norm)
+    return jax.jit(lambda *a: attention.attend_xla(cfg, sink, *a, freqs))(q, keys, valid, pos)
+
+
+@pytest.mark.parametrize("turn_inside", [True, False])
+@pytest.mark.parametrize("heads,kdim,n,rope,head_norm", [(2, 32, 45, 16, False), (20, 64, 96, 64, True),
+                                                         (64, 512, 70, 64, False), (64, 512, 70, 64, True)])
+def test_the_interpreted_kernels_equal_the_reference(heads, kdim, n, rope, head_norm, turn_inside):
+    """Both places of the turns and the head norm: inside the kernels (as compiled) and around them (as
+    interpreted in the engine)."""
+    q, keys, valid, sink, pos, freqs = _case(heads, kdim, n, rope=rope)
+    kernels = lambda *a: _kernels(*a, turn_inside=turn_inside)  # noqa: E731
+    got = np.asarray(kernels(q, keys, valid, sink, pos, freqs, head_norm))
+    want = np.asarray(_xla(q, keys, valid, sink, pos, freqs, head_norm))
     assert got.shape == (heads, kdim)
-    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
-    np.testing.assert_allclose(got, _numpy_attend(q, keys, valid, sink), rtol=0, atol=2e-6 * np.abs(want).max())
-    assert not np.array_equal(got, np.asarray(attend_kernels(q, keys, ~valid, sink, kdim ** -0.5, interpret=True)))
+    tol = 3e-6 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    np.testing.assert_allclose(got, _numpy_attend(q, keys, valid, sink, pos, freqs, head_norm), rtol=0, atol=tol)
+    # each input counts: the mask, the position (the RoPE columns of q and of the output)
+    assert not np.array_equal(got, np.asarray(kernels(q, keys, ~valid, sink, pos, freqs, head_norm)))
+    moved = np.asarray(kernels(q, keys, valid, sink, pos + 1, freqs, head_norm))
+    np.testing.assert_allclose(moved, _numpy_attend(q, keys, valid, sink, pos + 1, freqs, head_norm), rtol=0,
+                               atol=tol)
+    assert np.abs(moved - got).max() > 100 * tol
 
 
 def test_a_query_with_every_key_masked_reads_the_sink_alone():
-    q, keys, _, sink = _case(3, 32, 40, seed=1)
+    q, keys, _, sink, pos, freqs = _case(3, 32, 40, seed=1)
     none = np.zeros(40, bool)
-    got = np.asarray(attend_kernels(q, keys, none, sink, 32 ** -0.5, interpret=True))
-    want = np.asarray(attention.attend_xla(_cfg(32), sink, q, keys, none))
+    got = np.asarray(_kernels(q, keys, none, sink, pos, freqs))
+    want = np.asarray(_xla(q, keys, none, sink, pos, freqs))
     np.testing.assert_array_equal(got, np.zeros_like(got))
     np.testing.assert_array_equal(want, np.zeros_like(want))
-    # one live key in the last, partial chunk: its latent weighted by its share against the sink
+    # one live key in the last, partial chunk: its latent weighted by its share against the sink, turned back
     one = none.copy()
     one[-1] = True
-    got = np.asarray(attend_kernels(q, keys, one, sink, 32 ** -0.5, interpret=True))
-    np.testing.assert_allclose(got, _numpy_attend(q, keys, one, sink), rtol=2e-6, atol=1e-7)
+    got = np.asarray(_kernels(q, keys, one, sink, pos, freqs))
+    np.testing.assert_allclose(got, _numpy_attend(q, keys, one, sink, pos, freqs), rtol=2e-6, atol=2e-6)
 
 
-def test_a_rows_output_does_not_depend_on_the_rows_around_it():
+@pytest.mark.parametrize("head_norm", [False, True])
+def test_a_rows_output_does_not_depend_on_the_rows_around_it(head_norm):
+    """As the engine runs them interpreted (the turns around the kernels); compiled, the GPU test below."""
     rows = [_case(2, 32, 45, seed=s) for s in range(4)]
-    q, keys, valid = (np.stack([r[i] for r in rows]) for i in range(3))
-    sink = rows[0][3]
-    run = lambda q, k, v: attend_kernels(q, k, v, sink, 32 ** -0.5, interpret=True)  # noqa: E731
-    block = np.asarray(jax.vmap(run)(q, keys, valid))
+    q, keys, valid, _, pos, _ = (np.stack([r[i] for r in rows]) for i in range(6))
+    sink, freqs = rows[0][3], rows[0][5]
+    run = lambda q, k, v, p: _kernels(q, k, v, sink, p, freqs, head_norm)  # noqa: E731
+    block = np.asarray(jax.vmap(run)(q, keys, valid, pos))
     for r in (0, 3):
-        np.testing.assert_array_equal(np.asarray(run(q[r], keys[r], valid[r])), block[r])
+        np.testing.assert_array_equal(np.asarray(run(q[r], keys[r], valid[r], pos[r])), block[r])
     perm = np.array([2, 0, 3, 1])
-    np.testing.assert_array_equal(np.asarray(jax.vmap(run)(q[perm], keys[perm], valid[perm])), block[perm])
+    np.testing.assert_array_equal(np.asarray(jax.vmap(run)(q[perm], keys[perm], valid[perm], pos[perm])), block[perm])
 
 
 def test_attend_lowers_to_the_kernels_on_cuda_only_when_switched_on(monkeypatch):
     cfg = _cfg(32)
     w = {"attn_sinks": jnp.zeros(2, jnp.float32)}
+    freqs = np.ones(8, np.float32)
     shapes = (jax.ShapeDtypeStruct((2, 32), jnp.float32), jax.ShapeDtypeStruct((45, 32), jnp.float32),
-              jax.ShapeDtypeStruct((45,), jnp.bool_))
+              jax.ShapeDtypeStruct((45,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.int32))
 
     def calls(platform):  # a new function each time: jit's trace cache would keep the first switch's graph
-        fn = lambda q, k, v: attention.attend(cfg, w, q, k, v)  # noqa: E731
+        fn = lambda q, k, v, p: attention.attend(cfg, w, q, k, v, p, freqs)  # noqa: E731
         return jax.jit(fn).trace(*shapes).lower(lowering_platforms=(platform,)).as_text().count(TRITON_CALL)
 
     monkeypatch.setattr(attention_kernel.triton_matvec, "INTERPRET", False)
@@ -102,12 +143,15 @@ def test_attend_lowers_to_the_kernels_on_cuda_only_when_switched_on(monkeypatch)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads,kdim,n", [(2, 32, 45), (64, 512, 640), (64, 512, 136)])
-def test_the_compiled_kernels_agree_with_the_xla_spelling_on_the_gpu(heads, kdim, n):
-    q, keys, valid, sink = _case(heads, kdim, n, seed=3)
-    got = np.asarray(attend_kernels(q, keys, valid, sink, kdim ** -0.5))
-    want = np.asarray(jax.jit(lambda *a: attention.attend_xla(_cfg(kdim), sink, *a))(q, keys, valid))
+@pytest.mark.parametrize("heads,kdim,n,head_norm", [(2, 32, 45, False), (64, 512, 640, False), (64, 512, 136, False),
+                                                    (64, 512, 640, True)])
+def test_the_compiled_kernels_agree_with_the_xla_spelling_on_the_gpu(heads, kdim, n, head_norm):
+    q, keys, valid, sink, pos, freqs = _case(heads, kdim, n, seed=3, rope=min(64, kdim // 2))
+    got = np.asarray(_kernels(q, keys, valid, sink, pos, freqs, head_norm, interpret=False))
+    want = np.asarray(_xla(q, keys, valid, sink, pos, freqs, head_norm))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     qs, ks, vs = (np.stack([a, a[::-1].copy()]) for a in (q, keys, valid))
-    block = np.asarray(jax.vmap(lambda a, b, c: attend_kernels(a, b, c, sink, kdim ** -0.5))(qs, ks, vs))
+    ps = np.array([pos, pos + 7], np.int32)
+    block = np.asarray(jax.vmap(lambda a, b, c, p: _kernels(a, b, c, sink, p, freqs, head_norm, interpret=False))(
+        qs, ks, vs, ps))
     np.testing.assert_array_equal(block[0], got)

@@ -43,13 +43,11 @@ def window_rows(ring: dict, window: int, pos: jax.Array) -> tuple[jax.Array, jax
     return ring["kv"][slots], (want >= 0) & (ring["pos"][slots] == want)
 
 
-def query(cfg: ModelConfig, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(q [H, HD] rotated, qr [q_lora_rank]); qr also feeds the indexer."""
+def query(cfg: ModelConfig, w: dict, h_D: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(q [H, HD] as W_qb gives it: not yet normalised a head nor rotated, which `attend` does; qr [q_lora_rank])
+    ; qr also feeds the indexer."""
     qr = rms_norm(qmatvec(h_D, w["attn_q_a"]), w["attn_q_a_norm"], cfg.rms_eps)
-    q = qmatvec(qr, w["attn_q_b"]).reshape(cfg.n_heads, cfg.head_dim)
-    if cfg.q_head_norm:
-        q = rms_norm(q, None, cfg.rms_eps)
-    return apply_rope(q, pos, freqs), qr
+    return qmatvec(qr, w["attn_q_b"]).reshape(cfg.n_heads, cfg.head_dim), qr
 
 
 def latent(cfg: ModelConfig, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array) -> jax.Array:
@@ -64,19 +62,26 @@ def push_ring(ring: dict, kv: jax.Array, pos: jax.Array) -> dict:
             "pos": jax.lax.dynamic_update_index_in_dim(ring["pos"], pos, slot, 0)}
 
 
-def attend(cfg: ModelConfig, w: dict, q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array) -> jax.Array:
-    """Softmax over the valid keys plus the per-head sink (denominator only); returns [H, HD]. On CUDA with
-    JDS41_ATTN_KERNEL=1, layers/attention_kernel.py's two launches; the XLA spelling below is the reference."""
+def attend(cfg: ModelConfig, w: dict, q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, pos: jax.Array,
+           freqs: jax.Array) -> jax.Array:
+    """The attention output [H, HD] of `query`'s q at position `pos`, turned back (inverse RoPE) for W_oa. On CUDA
+    with JDS41_ATTN_KERNEL=1, layers/attention_kernel.py's two launches (which also normalise and turn q and turn
+    the output back); the XLA spelling `attend_xla` is the reference."""
     sink_H = w["attn_sinks"]
     if attention_kernel.applies(q_HK.shape[-1]):
-        return attention_kernel.attend(q_HK, keys_NK, valid_N, sink_H, cfg.head_dim ** -0.5,
-                                       default=lambda q, k, v: attend_xla(cfg, sink_H, q, k, v))
-    return attend_xla(cfg, sink_H, q_HK, keys_NK, valid_N)
+        return attention_kernel.attend(q_HK, keys_NK, valid_N, sink_H, pos, freqs, cfg.head_dim ** -0.5,
+                                       cfg.rms_eps if cfg.q_head_norm else None,
+                                       default=lambda q, k, v, p: attend_xla(cfg, sink_H, q, k, v, p, freqs))
+    return attend_xla(cfg, sink_H, q_HK, keys_NK, valid_N, pos, freqs)
 
 
-def attend_xla(cfg: ModelConfig, sink_H: jax.Array, q_HK: jax.Array, keys_NK: jax.Array,
-               valid_N: jax.Array) -> jax.Array:
-    """`attend` as XLA computes it (the reference of the kernels)."""
+def attend_xla(cfg: ModelConfig, sink_H: jax.Array, q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array,
+               pos: jax.Array, freqs: jax.Array) -> jax.Array:
+    """`attend` as XLA computes it (the reference of the kernels): V4's head norm, RoPE of q, the softmax over the
+    valid keys with the sink in the denominator, the weighted sum of the latents, inverse RoPE."""
+    if cfg.q_head_norm:
+        q_HK = rms_norm(q_HK, None, cfg.rms_eps)
+    q_HK = apply_rope(q_HK, pos, freqs)
     # HIGHEST: XLA:GPU runs a DEFAULT-precision f32 dot in TF32 (10-bit mantissa); on the H200 that put the wide
     # prompt pass 7e-4 away from decode on logits of size 4 (tests/test_prompt_width.py), where f32 keeps 2e-6.
     logits = jnp.einsum("hk,nk->hn", q_HK, keys_NK, precision=HIGHEST) * cfg.head_dim ** -0.5
@@ -84,12 +89,12 @@ def attend_xla(cfg: ModelConfig, sink_H: jax.Array, q_HK: jax.Array, keys_NK: ja
     top = jnp.maximum(jnp.max(logits, axis=1), sink_H)
     e = jnp.exp(logits - top[:, None])
     denom = jnp.sum(e, axis=1) + jnp.exp(sink_H - top)
-    return jnp.einsum("hn,nk->hk", e / denom[:, None], keys_NK, precision=HIGHEST)
+    o_HK = jnp.einsum("hn,nk->hk", e / denom[:, None], keys_NK, precision=HIGHEST)
+    return apply_rope(o_HK, pos, freqs, inverse=True)
 
 
-def output(cfg: ModelConfig, w: dict, o_HK: jax.Array, pos: jax.Array, freqs: jax.Array) -> jax.Array:
-    """Inverse RoPE at the query position, grouped W_oa, then W_ob; returns [D]."""
-    o_HK = apply_rope(o_HK, pos, freqs, inverse=True)
+def output(cfg: ModelConfig, w: dict, o_HK: jax.Array) -> jax.Array:
+    """`attend`'s output (turned back) through the grouped W_oa, then W_ob; returns [D]."""
     G, L = cfg.o_groups, cfg.o_lora_rank
     o_GX = o_HK.reshape(G, -1)  # group g = heads g*H/G .. (g+1)*H/G - 1, concatenated
     # W_oa rows g*L .. (g+1)*L - 1 belong to group g: viewed as a [G, L, X] stack, each group is one "expert".

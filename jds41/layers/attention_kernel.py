@@ -16,6 +16,18 @@ is on, so decode, verification and prefill rows stay exact against each other (a
 the rows around it: a vmapped call adds a grid axis). Products are f32 (`precision=HIGHEST`: Triton's "ieee"
 dot, as XLA's HIGHEST is f32, never TF32). Elsewhere `default` (the XLA spelling, the reference) runs;
 JDS41_TRITON=interpret runs the kernels in Pallas' interpreter on every platform (tests/test_attention_kernel.py).
+
+The query comes as W_qb gives it and the output leaves as W_oa takes it: compiled, the kernels also do what XLA ran
+as kernels of their own around them (RoPE of q, of the output, V4's head norm; ~5 us a V4.1 layer). `_partials`
+turns q's RoPE columns (the last 2 len(freqs)) as it loads them, and V4's per-head RMS norm (no weight) becomes a
+factor on each head's scores (the rotation and the dot are linear in q); `_combine` turns the output's RoPE
+columns back, in the column blocks that hold them. In Pallas'
+interpreter XLA does those steps around the kernels, as `attend_xla` does (`turn_inside` runs them inside, for the
+value tests): interpreted, the kernels are XLA:CPU code, which computed a cos + b sin with an FMA for some elements
+of a one-row program and without one in the vmapped program (differences of one f32 ulp, with optimization
+barriers around the products too; cos, sin and the products alone were equal), and the engine's CPU tests need a
+row to equal itself in a block. Compiled, the contraction is a property of the kernel's code, the same for every
+row; the GPU test checks a row against a vmapped block.
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jds41.layers.norm import rms_norm
+from jds41.layers.rope import apply_rope
 from jds41.quant import triton_matvec
 
 # JDS41_ATTN_KERNEL=1 (read at import) runs attention through these kernels on CUDA; off by default until the
@@ -41,10 +55,10 @@ CH = 4  # heads a program of the combination (no product there: more, smaller pr
 HIGHEST = lax.Precision.HIGHEST
 
 
-def _steps(kdim: int) -> list[jax.Array]:
-    """The latent columns of each product step, [BK'] each."""
+def _steps(kdim: int) -> list[tuple[int, jax.Array]]:
+    """(last column, the columns [BK']) of each product step."""
     bk = min(BK, kdim)
-    return [k0 + jnp.arange(bk, dtype=jnp.int32) for k0 in range(0, kdim, bk)]
+    return [(k0 + bk - 1, k0 + jnp.arange(bk, dtype=jnp.int32)) for k0 in range(0, kdim, bk)]
 
 
 def _dot(a: jax.Array, b: jax.Array, b_axis: int) -> jax.Array:
@@ -52,17 +66,40 @@ def _dot(a: jax.Array, b: jax.Array, b_axis: int) -> jax.Array:
     return lax.dot_general(a, b, (((1,), (b_axis,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
 
 
-def _partials(q_ref, k_ref, valid_ref, m_ref, l_ref, acc_ref, *, heads: int, n: int, kdim: int, scale: float):
+def _turn(vals, partner, cols, pos_ref, freqs_ref, *, kdim: int, inverse: bool):
+    """vals [R, C] at columns `cols` with those among the last 2 len(freqs) turned as apply_rope turns them: pair
+    k = (2k, 2k + 1) of those columns by the angle pos * freqs[k] (one f32 product), backwards when `inverse`;
+    `partner` holds each column's pair partner (column ^ 1)."""
+    first = kdim - 2 * freqs_ref.shape[0]  # the first RoPE column (even: kdim is a power of two)
+    angle = pos_ref[0].astype(jnp.float32) * freqs_ref[jnp.maximum(cols - first, 0) // 2]
+    sin = jnp.sin(angle)
+    # (a, b) -> (a cos - b sin, a sin + b cos): the partner's sine is minus for an even column, plus for an odd one
+    signed = jnp.where(((cols & 1) == 1) != inverse, sin, -sin)
+    return jnp.where((cols >= first)[None, :], vals * jnp.cos(angle)[None, :] + partner * signed[None, :], vals)
+
+
+def _partials(q_ref, k_ref, valid_ref, pos_ref, freqs_ref, m_ref, l_ref, acc_ref, *, heads: int, n: int, kdim: int,
+              scale: float, norm_eps: float | None, turn: bool):
     hb, c = pl.program_id(0), pl.program_id(1)
     h_at = hb * BH + jnp.arange(BH, dtype=jnp.int32)
     q_rows = jnp.minimum(h_at, heads - 1)  # padding heads read the last head; their results are dropped
     n_at = c * BN + jnp.arange(BN, dtype=jnp.int32)
     k_rows = jnp.minimum(n_at, n - 1)  # keys past the end read the last key and are masked
+    first_rope = kdim - 2 * freqs_ref.shape[0]
     s = jnp.zeros((BH, BN), jnp.float32)
-    for cols in _steps(kdim):
-        qb = q_ref[q_rows[:, None], cols[None, :]]
+    squares = jnp.zeros((BH,), jnp.float32)
+    for last, cols in _steps(kdim):
+        raw = q_ref[q_rows[:, None], cols[None, :]]
+        qb = raw
+        if turn and last >= first_rope:  # a step with RoPE columns
+            qb = _turn(raw, q_ref[q_rows[:, None], (cols ^ 1)[None, :]], cols, pos_ref, freqs_ref, kdim=kdim,
+                       inverse=False)
+        if turn and norm_eps is not None:  # the head's sum of squares, of q unturned as rms_norm takes it
+            squares = squares + jnp.sum(raw * raw, axis=1)
         kb = k_ref[k_rows[:, None], cols[None, :]]
         s = s + _dot(qb, kb, 1)
+    if turn and norm_eps is not None:  # rms_norm(q) times each head's scores: a factor a head
+        s = s * lax.rsqrt(squares / np.float32(kdim) + np.float32(norm_eps))[:, None]
     live_key = (n_at < n) & (valid_ref[k_rows] != 0)
     s = jnp.where(live_key[None, :], s * np.float32(scale), -jnp.inf)
     m = jnp.max(s, axis=1)
@@ -70,12 +107,13 @@ def _partials(q_ref, k_ref, valid_ref, m_ref, l_ref, acc_ref, *, heads: int, n: 
     p = jnp.where(any_key[:, None], jnp.exp(s - jnp.where(any_key, m, 0)[:, None]), 0)
     m_ref[c, h_at] = m
     l_ref[c, h_at] = jnp.sum(p, axis=1)
-    for cols in _steps(kdim):
+    for _, cols in _steps(kdim):
         kb = k_ref[k_rows[:, None], cols[None, :]]
         acc_ref[c, h_at[:, None], cols[None, :]] = _dot(p, kb, 0)
 
 
-def _combine(m_ref, l_ref, acc_ref, sink_ref, o_ref, *, heads: int, chunks: int, bk: int):
+def _combine(m_ref, l_ref, acc_ref, sink_ref, pos_ref, freqs_ref, o_ref, *, heads: int, chunks: int, bk: int,
+             kdim: int, turn: bool):
     hb, j = pl.program_id(0), pl.program_id(1)
     h_at = hb * CH + jnp.arange(CH, dtype=jnp.int32)
     cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
@@ -86,23 +124,47 @@ def _combine(m_ref, l_ref, acc_ref, sink_ref, o_ref, *, heads: int, chunks: int,
         m = m_ref[c, h_at]
         return jnp.where(m > -jnp.inf, jnp.exp(m - top), 0)
 
+    def weighted(at):  # sum over the chunks of their shares times their weighted sums, at columns `at`
+        return lax.fori_loop(0, chunks, lambda c, o: o + weight(c)[:, None] * acc_ref[c, h_at[:, None], at[None, :]],
+                             jnp.zeros((CH, bk), jnp.float32))
+
     denom = lax.fori_loop(0, chunks, lambda c, d: d + weight(c) * l_ref[c, h_at], jnp.exp(sink - top))
-    o = lax.fori_loop(0, chunks, lambda c, o: o + weight(c)[:, None] * acc_ref[c, h_at[:, None], cols[None, :]],
-                      jnp.zeros((CH, bk), jnp.float32))
-    o_ref[h_at[:, None], cols[None, :]] = o / denom[:, None]
+    o = weighted(cols)
+    # the first column block that holds RoPE columns (none turned here when not `turn`)
+    first_block = (kdim - 2 * freqs_ref.shape[0]) // bk if turn else kdim // bk
+
+    @pl.when(j < first_block)
+    def _():
+        o_ref[h_at[:, None], cols[None, :]] = o / denom[:, None]
+
+    @pl.when(j >= first_block)
+    def _():
+        turned = _turn(o, weighted(cols ^ 1), cols, pos_ref, freqs_ref, kdim=kdim, inverse=True)
+        o_ref[h_at[:, None], cols[None, :]] = turned / denom[:, None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
-def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink_H: jax.Array, scale: float,
-                   interpret: bool = False) -> jax.Array:
-    """`attend` of one query block [H, K] over keys [N, K] (valid [N]) with sinks [H] -> [H, K] f32, by the two
-    kernels; `interpret` runs them in Pallas' interpreter (any platform)."""
+@functools.partial(jax.jit, static_argnames=("scale", "norm_eps", "interpret", "turn_inside"))
+def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink_H: jax.Array, pos: jax.Array,
+                   freqs: jax.Array, scale: float, norm_eps: float | None = None, interpret: bool = False,
+                   turn_inside: bool | None = None) -> jax.Array:
+    """`attention.attend_xla` by the two kernels: q [H, K] as W_qb gives it (RMS-normalised a head first where
+    `norm_eps` is given, V4), turned by RoPE at `pos` (int32 scalar) with `freqs` [R/2]; keys [N, K], valid [N],
+    sinks [H] -> the output [H, K] f32 turned back; `interpret` runs them in Pallas' interpreter (any platform).
+    `turn_inside` (default: compiled, not interpreted) has the kernels normalise and turn q and turn the output
+    back; otherwise XLA does, as `attend_xla` (see the module docstring for why the interpreter does not)."""
     heads, kdim = q_HK.shape
     n = keys_NK.shape[0]
     hp = -(-heads // BH) * BH
     chunks = -(-n // BN)
+    if not 0 < 2 * freqs.shape[0] <= kdim:
+        raise ValueError(f"attend_kernels: {2 * freqs.shape[0]} RoPE columns of a {kdim}-wide latent")
+    turn = not interpret if turn_inside is None else turn_inside
+    q_HK = jnp.asarray(q_HK, jnp.float32)
+    if not turn:
+        q_HK = apply_rope(q_HK if norm_eps is None else rms_norm(q_HK, None, norm_eps), pos, freqs)
     params = None
-    args = (jnp.asarray(q_HK, jnp.float32), jnp.asarray(keys_NK, jnp.float32), jnp.asarray(valid_N, jnp.int32))
+    args = (q_HK, jnp.asarray(keys_NK, jnp.float32), jnp.asarray(valid_N, jnp.int32),
+            jnp.reshape(jnp.asarray(pos, jnp.int32), (1,)), jnp.asarray(freqs, jnp.float32))
     if interpret:  # interpreted, the kernels are XLA:CPU code inlined into their caller: keep their rounding
         args = lax.optimization_barrier(args)
     else:
@@ -110,19 +172,21 @@ def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink
 
         params = plgpu.CompilerParams(num_warps=4, num_stages=1)
     m, sums, acc = pl.pallas_call(
-        functools.partial(_partials, heads=heads, n=n, kdim=kdim, scale=float(scale)),
+        functools.partial(_partials, heads=heads, n=n, kdim=kdim, scale=float(scale), norm_eps=norm_eps, turn=turn),
         out_shape=(jax.ShapeDtypeStruct((chunks, hp), jnp.float32), jax.ShapeDtypeStruct((chunks, hp), jnp.float32),
                    jax.ShapeDtypeStruct((chunks, hp, kdim), jnp.float32)),
         grid=(hp // BH, chunks), compiler_params=params, interpret=interpret, name="attend_partials",
     )(*args)
     bk = min(BK, kdim)
     out = pl.pallas_call(
-        functools.partial(_combine, heads=heads, chunks=chunks, bk=bk),
+        functools.partial(_combine, heads=heads, chunks=chunks, bk=bk, kdim=kdim, turn=turn),
         out_shape=jax.ShapeDtypeStruct((hp, kdim), jnp.float32),
         grid=(hp // CH, kdim // bk), compiler_params=params, interpret=interpret, name="attend_combine",
-    )(m, sums, acc, jnp.asarray(sink_H, jnp.float32))
+    )(m, sums, acc, jnp.asarray(sink_H, jnp.float32), args[3], args[4])
     out = out[:heads]
-    return lax.optimization_barrier(out) if interpret else out
+    if interpret:
+        out = lax.optimization_barrier(out)
+    return out if turn else apply_rope(out, pos, freqs, inverse=True)
 
 
 def applies(kdim: int) -> bool:
@@ -132,11 +196,12 @@ def applies(kdim: int) -> bool:
         and kdim >= 16 and kdim & (kdim - 1) == 0
 
 
-def attend(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink_H: jax.Array, scale: float, default):
-    """[H, K] attention output: the kernels on CUDA (or interpreted), `default(q, keys, valid)` elsewhere."""
-    def kernel(q, keys, valid, interpret=False):
-        return attend_kernels(q, keys, valid, sink_H, scale, interpret=interpret)
+def attend(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink_H: jax.Array, pos: jax.Array,
+           freqs: jax.Array, scale: float, norm_eps: float | None, default):
+    """`attend_kernels` on CUDA (or interpreted), `default(q, keys, valid, pos)` elsewhere."""
+    def kernel(q, keys, valid, p, interpret=False):
+        return attend_kernels(q, keys, valid, sink_H, p, freqs, scale, norm_eps, interpret=interpret)
 
     if triton_matvec.INTERPRET:
-        return kernel(q_HK, keys_NK, valid_N, interpret=True)
-    return lax.platform_dependent(q_HK, keys_NK, valid_N, cuda=kernel, default=default)
+        return kernel(q_HK, keys_NK, valid_N, pos, interpret=True)
+    return lax.platform_dependent(q_HK, keys_NK, valid_N, pos, cuda=kernel, default=default)

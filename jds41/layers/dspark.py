@@ -135,13 +135,13 @@ def _stage(plan: DraftPlan, s: int, w: dict, ring: dict, x_BHD, pos_B):
     cfg, freqs = plan.cfg, _freqs(plan, s)
     pre, post, comb = _mix(cfg, w, "attn", x_BHD)
     h = rms_norm(hc_collapse(x_BHD, pre), w["attn_norm"], cfg.rms_eps)
-    q, _ = jax.vmap(lambda h_D, p: attention.query(cfg, w, h_D, p, freqs))(h, pos_B)
+    q, _ = jax.vmap(lambda h_D: attention.query(cfg, w, h_D))(h)
     kv_blk = jax.vmap(lambda h_D, p: attention.latent(cfg, w, h_D, p, freqs))(h, pos_B)
     # Non-causal block: every row sees the injected window rows and all B block rows.
     keys = jnp.concatenate([ring["kv"], kv_blk])
     valid = jnp.concatenate([ring["pos"] >= 0, jnp.ones((kv_blk.shape[0],), bool)])
-    o = jax.vmap(lambda q_HK: attention.attend(cfg, w, q_HK, keys, valid))(q)
-    out = jax.vmap(lambda o_HK, p: attention.output(cfg, w, o_HK, p, freqs))(o, pos_B)
+    o = jax.vmap(lambda q_HK, p: attention.attend(cfg, w, q_HK, keys, valid, p, freqs))(q, pos_B)
+    out = jax.vmap(lambda o_HK: attention.output(cfg, w, o_HK))(o)
     x_BHD = hc_expand(x_BHD, out, post, comb)
 
     pre, post, comb = _mix(cfg, w, "ffn", x_BHD)
