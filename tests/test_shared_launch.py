@@ -4,8 +4,8 @@
 On every machine, in Pallas' interpreter: the f32 kernel for every format and layout it takes, and the int8 kernel for
 each of its kinds, give each stack of a shared launch the bits of its own launch (shared and per-expert x, the rule's
 tile and a row split); the qtensor entries give the separate calls' bits through the kernel path and keep them when the
-stacks cannot share (another format); lowered for CUDA, a layer's gate and up are one Triton call where switched on
-(JDS41_SHARED_LAUNCH=1), and two when they cannot share or it is off (the default). On a GPU (marker `gpu`): the
+stacks cannot share (another format); lowered for CUDA, a layer's gate and up are one Triton call (the default), and
+two when they cannot share or it is switched off (JDS41_SHARED_LAUNCH=0). On a GPU (marker `gpu`): the
 compiled shared launch at V4.1's routed gate/up (int8) and shared-expert gate/up (f32) shapes, bit for bit against one
 launch per stack.
 """
@@ -101,7 +101,7 @@ def test_a_layers_gate_and_up_lower_to_one_triton_call_on_cuda(monkeypatch):
     assert launches((stack(T.IQ2_XXS),)) == (1, 1)
     assert launches((stack(T.IQ2_XXS), stack(T.IQ2_XXS))) == (1, 1)  # gate and up: one launch, x rounded once
     assert launches((stack(T.IQ2_XXS), stack(T.MXFP4)))[0] == 2  # MXFP4 reads x as is: its own f32 launch
-    monkeypatch.setattr(qtensor, "_SHARED_LAUNCH", False)  # the default
+    monkeypatch.setattr(qtensor, "_SHARED_LAUNCH", False)  # JDS41_SHARED_LAUNCH=0
     assert launches((stack(T.IQ2_XXS), stack(T.IQ2_XXS)))[0] == 2
 
 

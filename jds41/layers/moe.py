@@ -50,7 +50,7 @@ def expert_outputs(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Arr
     """Each of the K routed experts' weighted output of one token, [K, D] f32 (not summed). `tile_k`: the K whose
     kernel tile every product uses (tiers compute a layer's K experts in pieces, owner by owner, and each piece
     must sum in the order of the whole: quant/triton_matvec.default_tile); None = this call's K."""
-    # gate and up: one kernel launch on CUDA where JDS41_SHARED_LAUNCH=1 (quant/qtensor.py), the same bits either way
+    # gate and up: one kernel launch on CUDA (JDS41_SHARED_LAUNCH=0 for two: quant/qtensor.py), the same bits either way
     g_KF, u_KF = qmatvec_experts_parts(x_D, (gate_exps, up_exps), idx_K, tile_k=tile_k)
     # llama.cpp (build_moe_ffn) scales by the routing weight AFTER W_down. Exact algebra makes the order moot, but
     # where W_down rounds its activation (Q8_0 rounds h, not weight*h) it is not: follow llama.cpp there.

@@ -49,7 +49,9 @@ def round_int8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     live = amax != 0
     inv = jnp.where(live, np.float32(127) / jnp.where(live, amax, 1), 0)
     q = jnp.clip(jnp.round(b * inv[..., None]), -127, 127).astype(jnp.int8)  # jnp.round: half to even
-    return q.reshape(x.shape), amax / np.float32(127)
+    # d = amax * f32(1/127), spelled as XLA's simplifier rewrites amax / 127 anyway (the bits it always had), so the
+    # GPU rounding kernel (quant/int8_round_kernel.py) can write the same product
+    return q.reshape(x.shape), amax * np.float32(1 / 127)
 
 
 def int8_values(x: jax.Array) -> jax.Array:

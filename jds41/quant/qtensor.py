@@ -285,9 +285,10 @@ def qmatvec_parts(x_in: jax.Array, ws: tuple[QTensor, ...]) -> tuple[jax.Array, 
     return tuple(y[0] for y in _as_tuple(rows_matvec(x_in[None], raws, one, w.qtype, w.layout, default=default)))
 
 
-# JDS41_SHARED_LAUNCH=1 (read at import): off by default until the compiled shared launch has passed its GPU test
-# and been timed (experiments/device_next.sh round)
-_SHARED_LAUNCH = os.environ.get("JDS41_SHARED_LAUNCH", "0") == "1"
+# One launch for a gate and an up product of one x (on by default since its first GPU run passed its bit tests: a
+# V4.1 layer's IQ2_XXS gate/up 42.2 us against 2 x 22.3, the shared expert's Q8_0 12.2 against 2 x 6.7;
+# results/profile_decode_round30_v41_4L_h200.jsonl). JDS41_SHARED_LAUNCH=0 (read at import) launches each alone.
+_SHARED_LAUNCH = os.environ.get("JDS41_SHARED_LAUNCH", "1") == "1"
 
 
 def share_a_launch(ws: tuple[QTensor, ...]) -> bool:
