@@ -13,6 +13,8 @@
 #   bash experiments/device_next.sh determinism  # V4.1 int8 plain decode, two processes each with XLA's autotuning
 #                                             # as is and off (--xla_gpu_autotune_level=0): do the predictions repeat
 #                                             # across processes? (three processes at 00bd37d gave three), ~5 min
+#   bash experiments/device_next.sh attention # one token's attention alone: XLA against the kernels over a sweep of
+#                                             # their tiles at V4.1's shape (experiments/bench_attention.py), ~3 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e824a44: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -70,6 +72,8 @@ case "${1:-}" in
       python3 experiments/bench_decode.py "${common[@]}"
       (( SECONDS < ${ROUND_DECODE_UNTIL_S:-330} )) || break
     done ;;
+  attention)
+    python3 experiments/bench_attention.py --out "$OUT/bench_attention_h200.jsonl" ;;
   determinism)
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_determinism_v41_4L_h200.jsonl")
@@ -85,6 +89,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|determinism|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|determinism|v4" >&2
     exit 2 ;;
 esac

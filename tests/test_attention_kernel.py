@@ -94,6 +94,16 @@ def test_the_interpreted_kernels_equal_the_reference(heads, kdim, n, rope, head_
     assert np.abs(moved - got).max() > 100 * tol
 
 
+@pytest.mark.parametrize("tile", [(16, 16, 32, 8, 2), (32, 64, 64, 2, 8)])
+def test_other_tiles_give_the_same_attention(tile):
+    """The benchmark's other tiles (experiments/bench_attention.py) compute the same attention, turns inside."""
+    q, keys, valid, sink, pos, freqs = _case(20, 64, 96, seed=5, rope=32)
+    got = np.asarray(attend_kernels(q, keys, valid, sink, pos, freqs, 64 ** -0.5, None, interpret=True,
+                                    turn_inside=True, tile=tile))
+    want = _numpy_attend(q, keys, valid, sink, pos, freqs)
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-6 * np.abs(want).max())
+
+
 def test_a_query_with_every_key_masked_reads_the_sink_alone():
     q, keys, _, sink, pos, freqs = _case(3, 32, 40, seed=1)
     none = np.zeros(40, bool)

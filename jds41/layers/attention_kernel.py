@@ -52,12 +52,14 @@ BH = 16  # heads a program: Triton's dot needs 16 rows (fewer heads are padded)
 BN = 32  # keys a chunk
 BK = 128  # latent columns a step of the products (bounds the registers a chunk's keys take)
 CH = 4  # heads a program of the combination (no product there: more, smaller programs read the partials faster)
+WARPS = 4
+# (BH, BN, BK, CH, warps): the default tile; `attend_kernels(tile=...)` takes others (experiments/bench_attention.py)
+TILE = (BH, BN, BK, CH, WARPS)
 HIGHEST = lax.Precision.HIGHEST
 
 
-def _steps(kdim: int) -> list[tuple[int, jax.Array]]:
-    """(last column, the columns [BK']) of each product step."""
-    bk = min(BK, kdim)
+def _steps(kdim: int, bk: int) -> list[tuple[int, jax.Array]]:
+    """(last column, the columns [bk]) of each product step."""
     return [(k0 + bk - 1, k0 + jnp.arange(bk, dtype=jnp.int32)) for k0 in range(0, kdim, bk)]
 
 
@@ -79,16 +81,16 @@ def _turn(vals, partner, cols, pos_ref, freqs_ref, *, kdim: int, inverse: bool):
 
 
 def _partials(q_ref, k_ref, valid_ref, pos_ref, freqs_ref, m_ref, l_ref, acc_ref, *, heads: int, n: int, kdim: int,
-              scale: float, norm_eps: float | None, turn: bool):
+              scale: float, norm_eps: float | None, turn: bool, bh: int, bn: int, bk: int):
     hb, c = pl.program_id(0), pl.program_id(1)
-    h_at = hb * BH + jnp.arange(BH, dtype=jnp.int32)
+    h_at = hb * bh + jnp.arange(bh, dtype=jnp.int32)
     q_rows = jnp.minimum(h_at, heads - 1)  # padding heads read the last head; their results are dropped
-    n_at = c * BN + jnp.arange(BN, dtype=jnp.int32)
+    n_at = c * bn + jnp.arange(bn, dtype=jnp.int32)
     k_rows = jnp.minimum(n_at, n - 1)  # keys past the end read the last key and are masked
     first_rope = kdim - 2 * freqs_ref.shape[0]
-    s = jnp.zeros((BH, BN), jnp.float32)
-    squares = jnp.zeros((BH,), jnp.float32)
-    for last, cols in _steps(kdim):
+    s = jnp.zeros((bh, bn), jnp.float32)
+    squares = jnp.zeros((bh,), jnp.float32)
+    for last, cols in _steps(kdim, bk):
         raw = q_ref[q_rows[:, None], cols[None, :]]
         qb = raw
         if turn and last >= first_rope:  # a step with RoPE columns
@@ -107,15 +109,15 @@ def _partials(q_ref, k_ref, valid_ref, pos_ref, freqs_ref, m_ref, l_ref, acc_ref
     p = jnp.where(any_key[:, None], jnp.exp(s - jnp.where(any_key, m, 0)[:, None]), 0)
     m_ref[c, h_at] = m
     l_ref[c, h_at] = jnp.sum(p, axis=1)
-    for _, cols in _steps(kdim):
+    for _, cols in _steps(kdim, bk):
         kb = k_ref[k_rows[:, None], cols[None, :]]
         acc_ref[c, h_at[:, None], cols[None, :]] = _dot(p, kb, 0)
 
 
 def _combine(m_ref, l_ref, acc_ref, sink_ref, pos_ref, freqs_ref, o_ref, *, heads: int, chunks: int, bk: int,
-             kdim: int, turn: bool):
+             kdim: int, turn: bool, ch: int):
     hb, j = pl.program_id(0), pl.program_id(1)
-    h_at = hb * CH + jnp.arange(CH, dtype=jnp.int32)
+    h_at = hb * ch + jnp.arange(ch, dtype=jnp.int32)
     cols = j * bk + jnp.arange(bk, dtype=jnp.int32)
     sink = sink_ref[jnp.minimum(h_at, heads - 1)]
     top = lax.fori_loop(0, chunks, lambda c, t: jnp.maximum(t, m_ref[c, h_at]), sink)
@@ -126,7 +128,7 @@ def _combine(m_ref, l_ref, acc_ref, sink_ref, pos_ref, freqs_ref, o_ref, *, head
 
     def weighted(at):  # sum over the chunks of their shares times their weighted sums, at columns `at`
         return lax.fori_loop(0, chunks, lambda c, o: o + weight(c)[:, None] * acc_ref[c, h_at[:, None], at[None, :]],
-                             jnp.zeros((CH, bk), jnp.float32))
+                             jnp.zeros((ch, bk), jnp.float32))
 
     denom = lax.fori_loop(0, chunks, lambda c, d: d + weight(c) * l_ref[c, h_at], jnp.exp(sink - top))
     o = weighted(cols)
@@ -143,19 +145,25 @@ def _combine(m_ref, l_ref, acc_ref, sink_ref, pos_ref, freqs_ref, o_ref, *, head
         o_ref[h_at[:, None], cols[None, :]] = turned / denom[:, None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "norm_eps", "interpret", "turn_inside"))
+@functools.partial(jax.jit, static_argnames=("scale", "norm_eps", "interpret", "turn_inside", "tile"))
 def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink_H: jax.Array, pos: jax.Array,
                    freqs: jax.Array, scale: float, norm_eps: float | None = None, interpret: bool = False,
-                   turn_inside: bool | None = None) -> jax.Array:
+                   turn_inside: bool | None = None, tile: tuple[int, int, int, int, int] = TILE) -> jax.Array:
     """`attention.attend_xla` by the two kernels: q [H, K] as W_qb gives it (RMS-normalised a head first where
     `norm_eps` is given, V4), turned by RoPE at `pos` (int32 scalar) with `freqs` [R/2]; keys [N, K], valid [N],
     sinks [H] -> the output [H, K] f32 turned back; `interpret` runs them in Pallas' interpreter (any platform).
     `turn_inside` (default: compiled, not interpreted) has the kernels normalise and turn q and turn the output
-    back; otherwise XLA does, as `attend_xla` (see the module docstring for why the interpreter does not)."""
+    back; otherwise XLA does, as `attend_xla` (see the module docstring for why the interpreter does not). `tile`:
+    (heads, keys, latent columns) a program of the partials, heads a program of the combination, warps (powers of
+    two; Triton's dot wants at least 16 heads)."""
     heads, kdim = q_HK.shape
     n = keys_NK.shape[0]
-    hp = -(-heads // BH) * BH
-    chunks = -(-n // BN)
+    bh, bn, bk, ch, warps = tile
+    bk = min(bk, kdim)
+    hp = -(-heads // bh) * bh
+    if hp % ch:
+        raise ValueError(f"attend_kernels: {ch} heads a combining program do not divide {hp} padded heads")
+    chunks = -(-n // bn)
     if not 0 < 2 * freqs.shape[0] <= kdim:
         raise ValueError(f"attend_kernels: {2 * freqs.shape[0]} RoPE columns of a {kdim}-wide latent")
     turn = not interpret if turn_inside is None else turn_inside
@@ -170,18 +178,18 @@ def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink
     else:
         from jax.experimental.pallas import triton as plgpu
 
-        params = plgpu.CompilerParams(num_warps=4, num_stages=1)
+        params = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     m, sums, acc = pl.pallas_call(
-        functools.partial(_partials, heads=heads, n=n, kdim=kdim, scale=float(scale), norm_eps=norm_eps, turn=turn),
+        functools.partial(_partials, heads=heads, n=n, kdim=kdim, scale=float(scale), norm_eps=norm_eps, turn=turn,
+                          bh=bh, bn=bn, bk=bk),
         out_shape=(jax.ShapeDtypeStruct((chunks, hp), jnp.float32), jax.ShapeDtypeStruct((chunks, hp), jnp.float32),
                    jax.ShapeDtypeStruct((chunks, hp, kdim), jnp.float32)),
-        grid=(hp // BH, chunks), compiler_params=params, interpret=interpret, name="attend_partials",
+        grid=(hp // bh, chunks), compiler_params=params, interpret=interpret, name="attend_partials",
     )(*args)
-    bk = min(BK, kdim)
     out = pl.pallas_call(
-        functools.partial(_combine, heads=heads, chunks=chunks, bk=bk, kdim=kdim, turn=turn),
+        functools.partial(_combine, heads=heads, chunks=chunks, bk=bk, kdim=kdim, turn=turn, ch=ch),
         out_shape=jax.ShapeDtypeStruct((hp, kdim), jnp.float32),
-        grid=(hp // CH, kdim // bk), compiler_params=params, interpret=interpret, name="attend_combine",
+        grid=(hp // ch, kdim // bk), compiler_params=params, interpret=interpret, name="attend_combine",
     )(m, sums, acc, jnp.asarray(sink_H, jnp.float32), args[3], args[4])
     out = out[:heads]
     if interpret:
