@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import types
 
 import jax
@@ -25,22 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import _commit, _machine, emit  # noqa: E402  (sibling script, run as a file)
+from bench_decode import _commit, _machine, emit  # noqa: E402  (sibling scripts, run as files)
+from bench_kernels import _seconds  # noqa: E402
 
 from jds41.layers import attention, attention_kernel  # noqa: E402
 from jds41.layers.rope import rope_freqs  # noqa: E402
 
 DEFAULT_TILES = "16:32:128:4:4,16:32:64:4:4,16:64:64:4:4,16:16:128:4:2,32:32:64:4:8,16:32:128:8:8"
-
-
-def _seconds(fn, *args, repeats: int = 3) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _loop(attend, reps: int):
