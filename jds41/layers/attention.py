@@ -44,8 +44,8 @@ def window_rows(ring: dict, window: int, pos: jax.Array) -> tuple[jax.Array, jax
 
 
 def query(cfg: ModelConfig, w: dict, h_D: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(q [H, HD] as W_qb gives it: not yet normalised a head nor rotated, which `attend` does; qr [q_lora_rank])
-    ; qr also feeds the indexer."""
+    """(q [H, HD] as W_qb gives it, qr [q_lora_rank]): q is not yet normalised a head nor rotated (`attend` does
+    both); qr also feeds the indexer."""
     qr = rms_norm(qmatvec(h_D, w["attn_q_a"]), w["attn_q_a_norm"], cfg.rms_eps)
     return qmatvec(qr, w["attn_q_b"]).reshape(cfg.n_heads, cfg.head_dim), qr
 

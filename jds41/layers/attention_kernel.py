@@ -20,14 +20,13 @@ JDS41_TRITON=interpret runs the kernels in Pallas' interpreter on every platform
 The query comes as W_qb gives it and the output leaves as W_oa takes it: compiled, the kernels also do what XLA ran
 as kernels of their own around them (RoPE of q, of the output, V4's head norm; ~5 us a V4.1 layer). `_partials`
 turns q's RoPE columns (the last 2 len(freqs)) as it loads them, and V4's per-head RMS norm (no weight) becomes a
-factor on each head's scores (the rotation and the dot are linear in q); `_combine` turns the output's RoPE
-columns back, in the column blocks that hold them. In Pallas'
-interpreter XLA does those steps around the kernels, as `attend_xla` does (`turn_inside` runs them inside, for the
-value tests): interpreted, the kernels are XLA:CPU code, which computed a cos + b sin with an FMA for some elements
-of a one-row program and without one in the vmapped program (differences of one f32 ulp, with optimization
-barriers around the products too; cos, sin and the products alone were equal), and the engine's CPU tests need a
-row to equal itself in a block. Compiled, the contraction is a property of the kernel's code, the same for every
-row; the GPU test checks a row against a vmapped block.
+factor on each head's scores (the rotation and the dot are linear in q); `_combine` turns the output's RoPE columns
+back, in the column blocks that hold them. In Pallas' interpreter XLA does those steps around the kernels, as
+`attend_xla` does (`turn_inside` runs them inside, for the value tests): interpreted, the kernels are XLA:CPU code,
+which computed a cos + b sin with an FMA for some elements of a one-row program and without one in the vmapped
+program (differences of one f32 ulp, with optimization barriers around the products too; cos, sin and the products
+alone were equal), and the engine's CPU tests need a row to equal itself in a block. Compiled, the contraction is a
+property of the kernel's code, the same for every row; the GPU test checks a row against a vmapped block.
 """
 
 from __future__ import annotations
