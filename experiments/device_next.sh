@@ -10,9 +10,10 @@
 #                                             # then with the switches whose tests passed three profiles (on; all off;
 #                                             # Q8_0 rounded too), then decode ABAB pairs, one and more while
 #                                             # SECONDS < ROUND_DECODE_UNTIL_S (330), ~7-9 min
-#   bash experiments/device_next.sh determinism  # V4.1 int8 plain decode, two processes each with XLA's autotuning
-#                                             # as is and off (--xla_gpu_autotune_level=0): do the predictions repeat
-#                                             # across processes? (three processes at 00bd37d gave three), ~5 min
+#   bash experiments/device_next.sh determinism  # V4.1 int8 plain decode in separate processes: two with jds41's
+#                                             # default (XLA's GEMM autotuning off, jds41/__init__.py), one with
+#                                             # XLA's own level 4: do the predictions repeat across processes?
+#                                             # (at 451c1c4, two with autotuning gave two hashes, two without one), ~4 min
 #   bash experiments/device_next.sh attention # one token's attention alone: XLA against the kernels over a sweep of
 #                                             # their tiles at V4.1's shape (experiments/bench_attention.py), ~3 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
@@ -77,10 +78,9 @@ case "${1:-}" in
   determinism)
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_determinism_v41_4L_h200.jsonl")
-    for _ in 1 2; do
-      python3 experiments/bench_decode.py "${common[@]}"
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" python3 experiments/bench_decode.py "${common[@]}"
-    done ;;
+    python3 experiments/bench_decode.py "${common[@]}"
+    python3 experiments/bench_decode.py "${common[@]}"
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=4" python3 experiments/bench_decode.py "${common[@]}" ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
