@@ -5,11 +5,12 @@
 #
 #   bash experiments/device_next.sh kernels   # Q8_0 under the int8 numerics: both kernel forms against f32, ~4 min
 #   bash experiments/device_next.sh depth     # V4.1 plain at 2, 4 and 8 layers (int8) for the 40-layer fit, ~8 min
-#   bash experiments/device_next.sh round     # the int8 rounding kernel (its division by 127 now the product XLA
-#                                             # makes of it) and, with ROUND_ATTN=1, the attention kernels: GPU tests,
-#                                             # then with the switches whose tests passed three profiles (on; all off;
-#                                             # Q8_0 rounded too), then decode ABAB pairs, one and more while
-#                                             # SECONDS < ROUND_DECODE_UNTIL_S (330), ~7-9 min
+#   bash experiments/device_next.sh round     # the int8 rounding kernel (default since the thirty-first session)
+#                                             # and, with ROUND_ATTN=1, the attention kernels: GPU tests, then three
+#                                             # profiles (defaults with the attention kernels if their tests passed;
+#                                             # XLA's rounding, JDS41_INT8_ROUND_KERNEL=0; Q8_0 rounded too), then
+#                                             # decode ABAB pairs, one and more while SECONDS < ROUND_DECODE_UNTIL_S
+#                                             # (330), ~7-9 min
 #   bash experiments/device_next.sh determinism  # V4.1 int8 plain decode in separate processes: two with jds41's
 #                                             # default (XLA's GEMM autotuning off, jds41/__init__.py), one with
 #                                             # XLA's own level 4: do the predictions repeat across processes?
@@ -52,25 +53,25 @@ case "${1:-}" in
       printf '== %s (JDS41_ATTN_KERNEL=%s)\n%s\n' "$*" "${JDS41_ATTN_KERNEL:-0}" "$log" >>"$OUT/gpu_tests_round_h200.txt"
       grep -q "passed" <<<"$log" && ! grep -qE "[0-9]+ (failed|error)" <<<"$log"
     }
-    on=(env)  # each switch whose GPU tests pass; no timing of a broken kernel
-    passes tests/test_int8_round_kernel.py && on+=(JDS41_INT8_ROUND_KERNEL=1)
+    on=(env)  # the defaults and each opt-in whose GPU tests pass; no timing of a broken kernel
+    off=(env JDS41_INT8_ROUND_KERNEL=0)
+    passes tests/test_int8_round_kernel.py || exit 1
     # the attention kernels passed their tests at 00bd37d but their partials took ~120 us a call (XLA's seven
     # kernels: 17.7): timed again only when asked
     if [ "${ROUND_ATTN:-0}" = 1 ]; then
       passes tests/test_attention_kernel.py && (export JDS41_ATTN_KERNEL=1; passes tests/test_gpu_paths.py) \
         && on+=(JDS41_ATTN_KERNEL=1)
     fi
-    if (( ${#on[@]} == 1 )); then exit 1; fi
     prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8
           --out "$OUT/profile_decode_round_v41_4L_h200.jsonl")
     "${on[@]}" python3 experiments/profile_decode.py "${prof[@]}"  # the kernel-level A/B: on, off, Q8_0 rounded too
-    python3 experiments/profile_decode.py "${prof[@]}"
+    "${off[@]}" python3 experiments/profile_decode.py "${prof[@]}"
     "${on[@]}" JDS41_INT8_Q8_0=1 python3 experiments/profile_decode.py "${prof[@]}"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_round_v41_4L_h200.jsonl")
     while true; do  # decode ABAB: one pair, then more while the call's time allows
       "${on[@]}" python3 experiments/bench_decode.py "${common[@]}"
-      python3 experiments/bench_decode.py "${common[@]}"
+      "${off[@]}" python3 experiments/bench_decode.py "${common[@]}"
       (( SECONDS < ${ROUND_DECODE_UNTIL_S:-330} )) || break
     done ;;
   attention)

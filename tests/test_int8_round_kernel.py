@@ -3,8 +3,8 @@
 On every machine: the kernel in Pallas' interpreter against `round_int8` (the reference) bit for bit, on rows with zero
 blocks, exact halves (ties to even), a value at the block maximum and the widths V4.1's products read, in value order
 and in Q2_K's crumb-major order (`_crumb_major` of the reference); an int8 product through it equals the one through
-XLA's rounding, bit for bit; lowered for CUDA, an int8 product rounds with the kernel where switched on
-(JDS41_INT8_ROUND_KERNEL=1), and with XLA's spelling otherwise. On a GPU (marker `gpu`): the compiled kernel against
+XLA's rounding, bit for bit; lowered for CUDA, an int8 product rounds with the kernel where it is on (the default),
+and with XLA's spelling under JDS41_INT8_ROUND_KERNEL=0. On a GPU (marker `gpu`): the compiled kernel against
 `round_int8` compiled by XLA for the GPU, bit for bit.
 """
 
@@ -79,7 +79,7 @@ def test_a_row_width_that_is_not_whole_blocks_is_refused():
 @pytest.mark.parametrize("qtype", [T.Q2_K, T.IQ2_XXS, T.Q8_0])
 def test_an_int8_product_through_the_kernel_equals_the_one_through_xla_rounding(monkeypatch, qtype):
     """The product's path on CUDA, interpreted: the rounding kernel (Q2_K's q in its kernel's order) then the dp4a
-    kernel (JDS41_INT8_ROUND_KERNEL=1), against the same dp4a kernel fed by XLA's rounding (the default)."""
+    kernel (the default), against the same dp4a kernel fed by XLA's rounding (JDS41_INT8_ROUND_KERNEL=0)."""
     from jds41.quant import int8_act, qtensor
 
     rng = np.random.default_rng(11)

@@ -28,7 +28,8 @@ def test_defaults_are_added_when_the_user_sets_none():
     assert len(flags) == len(set(flags))
 
 
-@pytest.mark.parametrize("theirs", ["--xla_gpu_autotune_level=4", "--xla_gpu_autotune_level=4 --xla_cpu_max_isa=SSE4_2"])
+@pytest.mark.parametrize("theirs", ["--xla_gpu_autotune_level=4",
+                                    "--xla_gpu_autotune_level=4 --xla_cpu_max_isa=SSE4_2"])
 def test_a_flag_the_user_set_is_kept_and_not_repeated(theirs):
     flags = _flags_after_import(theirs)
     assert flags[:len(theirs.split())] == theirs.split()  # theirs first, unchanged

@@ -1,5 +1,5 @@
 """The "int8" numerics' rounding of an activation (int8_act.round_int8) as one Pallas (Triton) kernel on the GPU
-(opt-in with JDS41_INT8_ROUND_KERNEL=1: it has not yet run on a GPU).
+(the default where the int8 products run on CUDA; JDS41_INT8_ROUND_KERNEL=0 keeps XLA's three kernels).
 
 Why (experiments/README.md, 28th session): XLA:GPU computes `round_int8` as three kernels, a block maximum, the
 rounding and the scales (an amax reduction feeds elementwise work, which XLA does not fuse into one kernel), about
@@ -31,9 +31,10 @@ from jax.experimental import pallas as pl
 
 from jds41.quant.int8_act import BLOCK
 
-# JDS41_INT8_ROUND_KERNEL=1 (read at import) rounds with this kernel where the int8 products run; off by default
-# until the compiled kernel has passed its GPU test and been timed (experiments/device_next.sh round)
-ENABLED = os.environ.get("JDS41_INT8_ROUND_KERNEL", "0") == "1"
+# On by default (read at import) since its GPU run at 451c1c4 (H100; experiments/README.md, thirty-first session):
+# bit-equal to round_int8 at every tested shape, 12 fewer kernels and 12-14 us less device time a V4.1 4-layer
+# token; decode tok/s within noise. JDS41_INT8_ROUND_KERNEL=0 rounds with XLA's kernels.
+ENABLED = os.environ.get("JDS41_INT8_ROUND_KERNEL", "1") != "0"
 _MOST_BLOCKS = 32  # blocks of 32 a program rounds (a power of two: Triton's blocks are)
 
 

@@ -428,8 +428,8 @@ def _int8(w: QTensor) -> bool:
 def _int8_rows_matvec(x_XI: jax.Array, w: QTensor, raw_EOR: jax.Array, idx_K: jax.Array, tile=None) -> jax.Array:
     """The one-token product of "int8" numerics: x [1 or K, I] rounded to int8 blocks, then the integer dot product
     of quant/int8_act.py, by the dp4a kernel on CUDA (quant/triton_int8.py) where it takes the rows, else by XLA.
-    Where the kernel runs and JDS41_INT8_ROUND_KERNEL=1, x is rounded by quant/int8_round_kernel.py's one launch
-    (the same bits as `round_int8`), else by XLA's three kernels."""
+    Where the kernel runs, x is rounded by quant/int8_round_kernel.py's one launch (the same bits as `round_int8`),
+    or with JDS41_INT8_ROUND_KERNEL=0 by XLA's three kernels."""
     def xla(x, raw, idx):
         q, d = round_int8(x)
         return _each(raw, lambda r: xla_int8_rows_matvec(q, d, r, idx, w.qtype, w.layout))
