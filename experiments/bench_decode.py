@@ -22,7 +22,8 @@ What it does, in order:
    HBM-tier experts, the decode state; PCIe: host-tier and SSD-tier experts (the SSD tier's rows reach the graph
    through host memory) and Engram rows not in HBM; SSD: slot-cache misses and Engram rows read -- over the box's
    measured bandwidths; roofline tok/s = 1 / max(time per resource) (perfect overlap), the no-overlap bound beside.
-   `ratio` = measured / roofline.
+   `ratio` = measured / roofline. On a GPU the row also carries that GPU's own measured HBM read bandwidth and the
+   roofline and ratio with it (`device_hbm_read_bps`, `roofline_device_hbm_tok_s`, `ratio_device_hbm`).
 
 Profiles (`NAME+all` / `NAME+selected`: the same with that `host_fetch`):
 `plain` (no profile: the model's own stacks, the reference path of #3), shipped names (`all-hbm`,
@@ -332,9 +333,37 @@ class Bytes:
     pcie: float
     ssd: float
 
-    def roofline(self) -> tuple[float, float]:
-        t = [self.hbm / BW["hbm"], self.pcie / BW["pcie"], self.ssd / BW["ssd"]]
+    def roofline(self, bw: dict = BW) -> tuple[float, float]:
+        t = [self.hbm / bw["hbm"], self.pcie / bw["pcie"], self.ssd / bw["ssd"]]
         return 1.0 / max(t), 1.0 / sum(t)
+
+
+def device_hbm_read_bps(nbytes: int = 2 << 30, reps: int = 10) -> float | None:
+    """This GPU's HBM read bandwidth, bytes/s: the best of `reps` timed sums of an `nbytes` f32 array (one read of
+    every byte), or None where JAX has no GPU. The roofline stays the reference box's (DESIGN.md §8); this one number
+    lets a row from another GPU (an H100 is lent when no H200 is) be read against its own memory too."""
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "gpu":
+        return None
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    del x
+    return nbytes / best
+
+
+def device_roofline(row: dict, hbm_bps: float) -> dict:
+    """A row's roofline with this GPU's measured HBM bandwidth in place of the reference box's (PCIe and SSD stay
+    the box's), and the measured decode speed's ratio to it."""
+    best, _ = Bytes(**row["bytes_per_token"]).roofline({**BW, "hbm": hbm_bps})
+    return {"roofline_device_hbm_tok_s": round(best, 1), "ratio_device_hbm": round(row["decode_tok_s"] / best, 4)}
 
 
 def static_bytes(engine) -> tuple[int, int]:
@@ -575,6 +604,9 @@ def main(argv: list[str] | None = None) -> int:
               "routing": {"source": "zipf-fit selection bias" if a.skew_top10 > 0 else "random weights",
                           "target_top10_share": a.skew_top10, "g": round(g, 4), "measured": skew},
               "usage_s": round(usage_s, 1), "bandwidths": BW, "warm_up": "other tokens of the same lengths"}
+    hbm_bps = device_hbm_read_bps()  # before any model holds HBM
+    if hbm_bps is not None:
+        common["device_hbm_read_bps"] = round(hbm_bps, -6)
     if a.ladder:
         runs = [(f"ladder-{rung}", ladder_profile(rung, fields, cfg.n_experts_used, a.lean_margin, a.workdir),
                  usage_path if ranked else None, loop) for rung, fields, ranked, loop in LADDER]
@@ -587,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
                    **run_profile(path, name, a, usage, stream, prompt, prof, loop, warm_tokens, numerics)}
             ref = refs.setdefault(numerics, row["predictions_sha256"])
             row["same_predictions_as_first"] = row["predictions_sha256"] == ref  # the first row of its numerics
+            if hbm_bps is not None:
+                row.update(device_roofline(row, hbm_bps))
             emit(row, a.out)
     return 0
 

@@ -65,14 +65,21 @@ def extrapolate(rows: list[dict], layers: int | None = None) -> dict:
     at = Bytes(**{k: max(0.0, a + b * target) for k, (a, b, _) in per_kind.items()})
     ms = fixed_ms + layer_ms * target
     best, worst = at.roofline()
-    return {**out, "method": f"extrapolated: least-squares lines over depths {sorted(by_depth)} evaluated at {target}",
-            "fixed_ms": round(fixed_ms, 4), "per_layer_ms": round(layer_ms, 4),
-            "fit_max_residual_ms": round(ms_residual, 4),
-            "per_layer_bytes": {k: round(b) for k, (_, b, _) in per_kind.items()},
-            "extrapolated_ms_per_token": round(ms, 3), "extrapolated_tok_s": round(1e3 / ms, 1),
-            "extrapolated_bytes_per_token": {k: round(getattr(at, k)) for k in BW},
-            "roofline_tok_s": round(best, 1), "roofline_no_overlap_tok_s": round(worst, 1),
-            "ratio": round(1e3 / ms / best, 4)}
+    fit = {**out, "method": f"extrapolated: least-squares lines over depths {sorted(by_depth)} evaluated at {target}",
+           "fixed_ms": round(fixed_ms, 4), "per_layer_ms": round(layer_ms, 4),
+           "fit_max_residual_ms": round(ms_residual, 4),
+           "per_layer_bytes": {k: round(b) for k, (_, b, _) in per_kind.items()},
+           "extrapolated_ms_per_token": round(ms, 3), "extrapolated_tok_s": round(1e3 / ms, 1),
+           "extrapolated_bytes_per_token": {k: round(getattr(at, k)) for k in BW},
+           "roofline_tok_s": round(best, 1), "roofline_no_overlap_tok_s": round(worst, 1),
+           "ratio": round(1e3 / ms / best, 4)}
+    measured_bw = [r["device_hbm_read_bps"] for r in rows if r.get("device_hbm_read_bps")]
+    if len(measured_bw) == len(rows):  # every row measured its GPU (bench_decode.device_hbm_read_bps): the fastest
+        hbm_bps = max(measured_bw)  # measurement gives the highest roofline, so the ratio is not flattered
+        device_best = at.roofline({**BW, "hbm": hbm_bps})[0]
+        fit.update({"device_hbm_read_bps": hbm_bps, "roofline_device_hbm_tok_s": round(device_best, 1),
+                    "ratio_device_hbm": round(1e3 / ms / device_best, 4)})
+    return fit
 
 
 def groups(rows: list[dict]) -> list[list[dict]]:

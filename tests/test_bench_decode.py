@@ -49,3 +49,15 @@ def test_bench_decode_runs_and_profiles_agree(tmp_path, capsys):
     assert sc["host_calls_per_token"] <= 4 and (sc["lookups"] > 0) == (sc["host_calls_per_token"] > 0)
     assert sc["host_calls_per_token"] <= sc["answer_rows_per_token"] <= 2 * sc["host_calls_per_token"]
     assert runs[0]["routing"]["measured"]["tokens"] == 512
+    assert all("device_hbm_read_bps" not in r and "ratio_device_hbm" not in r for r in runs)  # no GPU here
+
+
+def test_the_device_roofline_swaps_in_only_the_measured_hbm_bandwidth():
+    assert B.device_hbm_read_bps() is None  # the CPU has no HBM to measure
+    row = {"bytes_per_token": {"hbm": 1.8e9, "pcie": 6.0e6, "ssd": 0}, "decode_tok_s": 700.0}
+    # an H100-like 2.75 TB/s: HBM still binds (1.8e9 / 2.75e12 > 6e6 / 48e9)
+    got = B.device_roofline(row, 2.75e12)
+    assert got["roofline_device_hbm_tok_s"] == pytest.approx(2.75e12 / 1.8e9, rel=1e-3)
+    assert got["ratio_device_hbm"] == pytest.approx(700.0 * 1.8e9 / 2.75e12, rel=1e-3)
+    # a fast enough HBM leaves PCIe binding, at the reference box's PCIe bandwidth
+    assert B.device_roofline(row, 1e15)["roofline_device_hbm_tok_s"] == pytest.approx(B.BW["pcie"] / 6.0e6, rel=1e-3)

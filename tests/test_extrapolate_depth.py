@@ -46,6 +46,21 @@ def test_a_line_in_the_depth_comes_back_and_is_evaluated_at_the_full_depth():
     assert got["ratio"] == pytest.approx(1e3 / ms / roofline, rel=1e-3)
 
 
+def test_rows_that_measured_their_gpu_get_its_roofline_at_the_fastest_measurement():
+    fixed_b, layer_b = {"hbm": 7.0e8, "pcie": 0, "ssd": 0}, {"hbm": 2.4e8, "pcie": 0, "ssd": 0}
+    rows = _rows(0.3, 0.29, fixed_b, layer_b, [2, 4, 8])
+    assert "ratio_device_hbm" not in X.extrapolate(rows)  # no row measured a GPU
+    for r, bw in zip(rows, (2.70e12, 2.75e12, 2.72e12)):
+        r["device_hbm_read_bps"] = bw
+    got = X.extrapolate(rows)
+    roofline = 2.75e12 / (fixed_b["hbm"] + 40 * layer_b["hbm"])  # only HBM is read: it binds
+    assert got["device_hbm_read_bps"] == 2.75e12
+    assert got["roofline_device_hbm_tok_s"] == pytest.approx(roofline, rel=1e-3)
+    assert got["ratio_device_hbm"] == pytest.approx(got["extrapolated_tok_s"] / roofline, rel=1e-3)
+    del rows[0]["device_hbm_read_bps"]
+    assert "ratio_device_hbm" not in X.extrapolate(rows)  # a row without it: no mixed claim
+
+
 def test_one_depth_is_not_extrapolated_and_calls_are_not_mixed(tmp_path, capsys):
     b = {"hbm": 1e9, "pcie": 0, "ssd": 0}
     rows = _rows(0.3, 0.25, b, b, [4, 4], commit="c1") + _rows(0.3, 0.25, b, b, [2, 8], commit="c2")
