@@ -17,6 +17,10 @@
 #                                             # (at 451c1c4, two with autotuning gave two hashes, two without one), ~4 min
 #   bash experiments/device_next.sh attention # one token's attention alone: XLA against the kernels over a sweep of
 #                                             # their tiles at V4.1's shape (experiments/bench_attention.py), ~3 min
+#   bash experiments/device_next.sh attention-ncu  # why the attention kernels are slow: ncu of one attend_partials
+#                                             # and one attend_combine call at 136 keys (alone they took 93-359 us over
+#                                             # six tiles on an H100 at 451c1c4 where XLA took 12-23: a fixed ~80 us
+#                                             # that no tile changed), ~3 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e824a44: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -76,6 +80,12 @@ case "${1:-}" in
     done ;;
   attention)
     python3 experiments/bench_attention.py --out "$OUT/bench_attention_h200.jsonl" ;;
+  attention-ncu)
+    sections=(--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
+              --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters)
+    ncu --clock-control none -k regex:attend_ -c 2 "${sections[@]}" \
+      python3 experiments/bench_attention.py --reps 1 --keys 136 --tiles 16:32:128:4:4 >"$OUT/ncu_attention.txt" 2>&1
+    tail -60 "$OUT/ncu_attention.txt" ;;
   determinism)
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_determinism_v41_4L_h200.jsonl")
@@ -90,6 +100,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|determinism|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|v4" >&2
     exit 2 ;;
 esac
