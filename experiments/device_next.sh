@@ -22,8 +22,12 @@
 #                                             # six tiles on an H100 at 451c1c4 where XLA took 12-23: a fixed ~80 us
 #                                             # that no tile changed), ~3 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
-#                                             # (llama.cpp 337 tok/s), last measured at e824a44: defaults, then the
+#                                             # (llama.cpp 337 tok/s), last measured at 00bd37d: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
+#     queued: V4_ON="XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,\
+#     DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL" (XLA's default command buffer types plus WHILE and CONDITIONAL: the
+#     decode loop as one CUDA graph with conditional nodes, no host copy of the loop's predicate a token; V4 has no
+#     Engram host call in the loop), same predictions expected
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 # Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
