@@ -17,6 +17,7 @@ import json
 
 import numpy as np
 import pytest
+from two_bit_model import two_bit_model
 
 from jds41.decode_loop import greedy_generate
 from jds41.engine import Engine, SamplingParams
@@ -34,24 +35,11 @@ def _profile(tmp_path, name: str, **fields) -> str:
     return str(path)
 
 
-def _two_bit_model(tmp_path) -> str:
-    """A tiny V4.1 file with ds4's two-bit experts (rows of 256 values, so no Q8_0 fallback)."""
-    import dataclasses
-
-    from jds41.checkpoints import synth
-    from jds41.checkpoints.presets import preset
-
-    path = tmp_path / "two-bit.gguf"
-    cfg = dataclasses.replace(preset("deepseek41", "tiny"), dim=256, expert_ff=256)
-    assert not synth.write_synthetic(path, cfg, "ds4-q2", progress=False)["fallback_q8_0"]
-    return str(path)
-
-
 # mxfp4 and ds4-q2: the experts' products are the Triton kernel's
 @pytest.mark.parametrize("quant", ["q8", "mxfp4", "ds4-q2"])
 @pytest.mark.parametrize("fetch", ["all", "selected"])
 def test_tiered_logits_equal_resident_on_the_gpu(synthetic_model, tmp_path, fetch, quant):
-    path = _two_bit_model(tmp_path) if quant == "ds4-q2" else str(synthetic_model("deepseek41", "tiny", quant))
+    path = two_bit_model(tmp_path) if quant == "ds4-q2" else str(synthetic_model("deepseek41", "tiny", quant))
     want = Engine.open(path, max_ctx=64).session().feed(TOKENS, all_logits=True)
     prof = _profile(tmp_path, f"mixed-{fetch}", tier0_bytes=0.3, tier1_bytes=0.4, host_fetch=fetch)
     got = Engine.open(path, max_ctx=64, profile=prof).session().feed(TOKENS, all_logits=True)
@@ -60,7 +48,7 @@ def test_tiered_logits_equal_resident_on_the_gpu(synthetic_model, tmp_path, fetc
 
 @pytest.mark.parametrize("fetch", ["all", "selected"])
 def test_int8_numerics_keeps_the_placement_and_loop_invariances_on_the_gpu(tmp_path, fetch):
-    path = _two_bit_model(tmp_path)
+    path = two_bit_model(tmp_path)
     resident = Engine.open(path, max_ctx=64, numerics="int8")
     want = resident.session().feed(TOKENS, all_logits=True)
     prof = _profile(tmp_path, f"mixed-{fetch}", tier0_bytes=0.3, tier1_bytes=0.4, host_fetch=fetch)

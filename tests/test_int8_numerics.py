@@ -12,7 +12,6 @@ compiled kernel against the XLA product at V4.1's expert shapes.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from two_bit_model import two_bit_model
 
 from jds41.quant import QTensor, int8_act, qmatvec_experts, qtensor, triton_int8
 from jds41.quant.blocks import IQ2XXS_PACKED_GRID
@@ -176,22 +176,12 @@ def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda(monkey
     assert "rows_matvec_int8_q8_0_planar" in lowered(q8)
 
 
-def _two_bit_model(tmp_path, **preset_args) -> str:
-    from jds41.checkpoints import synth
-    from jds41.checkpoints.presets import preset
-
-    path = tmp_path / "two-bit.gguf"
-    cfg = dataclasses.replace(preset("deepseek41", "tiny", **preset_args), dim=256, expert_ff=256)
-    assert not synth.write_synthetic(path, cfg, "ds4-q2", progress=False)["fallback_q8_0"]
-    return str(path)
-
-
 @pytest.mark.slow
 def test_an_int8_engine_keeps_its_invariances_and_stays_near_the_f32_activation(tmp_path):
     from jds41.decode_loop import greedy_generate
     from jds41.engine import Engine, SamplingParams
 
-    path = _two_bit_model(tmp_path)
+    path = two_bit_model(tmp_path)
     toks = [int(t) for t in np.random.default_rng(5).integers(8, 400, 24)]
     eng = Engine.open(path, max_ctx=64, numerics="int8")
     want = eng.session().feed(toks, all_logits=True)
@@ -218,7 +208,7 @@ def test_drafting_under_int8_gives_int8_plain_decode(tmp_path):
     from jds41.speculative import DSparkDrafter, SpeculativeSession
     from jds41.speculative_loop import ForcedDrafter
 
-    engine = Engine.open(_two_bit_model(tmp_path, draft_stages=2), max_ctx=96, numerics="int8")
+    engine = Engine.open(two_bit_model(tmp_path, draft_stages=2), max_ctx=96, numerics="int8")
     k, layers = engine.cfg.dspark.block_size, engine.cfg.dspark.target_layer_ids
     prompt, n_new = [5, 17, 99, 3, 42, 7], 40
     want = list(engine.session().generate(prompt, n_new))

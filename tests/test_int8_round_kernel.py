@@ -126,3 +126,56 @@ def test_the_compiled_kernel_rounds_as_xla_does_on_the_gpu(X, n):
     if n % 256 == 0:
         qc, _ = jax.jit(lambda x: round_int8_rows(x, crumb_major=True))(x)
         np.testing.assert_array_equal(np.asarray(qc), np.asarray(_crumb_major(want_q)))
+
+
+# Runs with JDS41_TRITON=interpret (read at import, hence a subprocess); argv: model, output .npy. Counts the
+# rounding kernel's calls while the engine traces, and saves the logits of a prompt pass and of 6 greedy steps.
+_ENGINE_RUN = r"""
+import json, sys
+import numpy as np
+from jds41.engine import Engine, SamplingParams
+from jds41.quant import int8_round_kernel, triton_matvec
+
+calls = []
+traced = int8_round_kernel.round_int8_rows
+def counted(*args, **kwargs):
+    calls.append(1)
+    return traced(*args, **kwargs)
+int8_round_kernel.round_int8_rows = counted
+eng = Engine.open(sys.argv[1], max_ctx=48, numerics="int8")
+toks = [int(t) for t in np.random.default_rng(5).integers(8, 400, 12)]
+s = eng.session()
+prompt_logits = s.feed(toks, all_logits=True)
+gen = list(eng.session().generate(toks, 6, SamplingParams()))
+np.save(sys.argv[2], prompt_logits)
+print(json.dumps({"interpret": triton_matvec.INTERPRET, "enabled": int8_round_kernel.ENABLED,
+                  "kernel_calls": len(calls), "generated": gen}))
+"""
+
+
+@pytest.mark.slow
+def test_an_interpreted_int8_engine_gives_the_same_bits_with_and_without_the_rounding_kernel(tmp_path):
+    """The default's promise at the engine level: on the CUDA path (here Pallas' interpreter), the two-bit products
+    fed by the rounding kernel give the logits and greedy tokens of the same products fed by XLA's rounding."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from two_bit_model import two_bit_model
+
+    model = two_bit_model(tmp_path)
+    runs = {}
+    for switch in ("1", "0"):
+        env = {**os.environ, "JDS41_TRITON": "interpret", "JDS41_INT8_ROUND_KERNEL": switch}
+        out = tmp_path / f"logits{switch}.npy"
+        done = subprocess.run([sys.executable, "-c", _ENGINE_RUN, model, str(out)], env=env, capture_output=True,
+                              text=True, timeout=1500)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[switch] = (json.loads(done.stdout.strip().splitlines()[-1]), np.load(out))
+    (on, on_logits), (off, off_logits) = runs["1"], runs["0"]
+    assert on["interpret"] and off["interpret"]
+    assert on["enabled"] and on["kernel_calls"] > 0  # the kernel really rounded (traced into the products)
+    assert not off["enabled"] and off["kernel_calls"] == 0
+    np.testing.assert_array_equal(on_logits, off_logits)
+    assert on["generated"] == off["generated"]
