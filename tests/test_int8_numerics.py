@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from kernel_reference import reference_rows_matvec
+from kernel_reference import rel_error as _rel
 from two_bit_model import two_bit_model
 
 from jds41.quant import QTensor, int8_act, qmatvec_experts, qtensor, triton_int8
@@ -51,12 +53,7 @@ def _reference(x, raw, idx, qtype):
     """float64: gguf-py's dequantized rows times the rounded activation (q * d), indices clamped."""
     q, d = _numpy_round(x)
     xr = (q.astype(np.float64).reshape(*q.shape[:-1], -1, 32) * d[..., None]).reshape(q.shape)
-    return np.stack([gguf.quants.dequantize(raw[e], qtype).astype(np.float64) @ xr[k if len(xr) > 1 else 0]
-                     for k, e in enumerate(np.clip(idx, 0, len(raw) - 1))])
-
-
-def _rel(got, want):
-    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
+    return reference_rows_matvec(xr, raw, idx, qtype)
 
 
 def test_the_rounding_matches_a_numpy_rederivation():

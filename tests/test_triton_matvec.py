@@ -12,12 +12,13 @@ and a vmapped kernel (row-batched decode) bit for bit against one call per row.
 
 from __future__ import annotations
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from kernel_reference import reference_rows_matvec
+from kernel_reference import rel_error as _rel
 
 from jds41.quant import QTensor, qmatvec, qmatvec_experts
 from jds41.quant.planar import to_planar
@@ -41,18 +42,6 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 def _case(qtype, E=5, n_out=24, n_in=1024, seed=0):
     rng = np.random.default_rng(seed)
     return rng, random_quantized(rng, qtype, (E, n_out, n_in))
-
-
-def reference_rows_matvec(x_XI, raw_EOR, idx_K, qtype):
-    """The product in float64 numpy from gguf-py's dequantizer, indices clamped as the kernel clamps them."""
-    x = np.asarray(x_XI, np.float64)
-    rows = [gguf.quants.dequantize(raw_EOR[e], qtype).astype(np.float64) @ x[k if len(x) > 1 else 0]
-            for k, e in enumerate(np.clip(idx_K, 0, len(raw_EOR) - 1))]
-    return np.stack(rows)
-
-
-def _rel(got, want):
-    return float(np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max())
 
 
 def test_every_nibble_decodes_to_ggmls_doubled_e2m1_value():
