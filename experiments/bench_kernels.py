@@ -14,10 +14,10 @@ stack). Each row also has the loop's own cost a call without a product ("loop_us
 `--warps` counts and the `--splits` of a row; `--rows` and `--blocks` narrow the first two) on every shape but
 "dense". The two-bit formats also run the "int8" numerics' dp4a kernel (path "int8", quant/triton_int8.py,
 x rounded in the call), whose distance from XLA is the rounding's (its tiles swept with the f32 kernel's).
-`--stages` runs every f32 kernel path at each of those loop pipeline stages (quant/loop_stages.py; 0: none, the
-default kernel) and says whether each staged product has the bits of the same tile unstaged ("bits_equal_unstaged":
-staging changes no arithmetic). CPU runs check the code path only (the kernel then runs in Pallas' interpreter on a
-shrunk shape).
+`--stages` runs every kernel path (f32 and int8) at each of those loop pipeline stages (quant/loop_stages.py; 0:
+none, the default kernel) and says whether each staged product has the bits of the same tile unstaged
+("bits_equal_unstaged": the arithmetic is written the same; Triton's register layouts may still differ). CPU runs
+check the code path only (the kernel then runs in Pallas' interpreter on a shrunk shape).
 """
 
 from __future__ import annotations
@@ -161,14 +161,14 @@ def main(argv=None) -> int:
             paths += [("int8", "planar", t) for p, lay_, t in paths if p == "triton" and t is not None
                       and int8_supported(qtype, 0, "planar")]
         stage_list = [int(v) for v in a.stages.split(",")] if a.stages else [None]
-        paths = [(p, lay, t, st) for p, lay, t in paths for st in (stage_list if p == "triton" else [None])]
-        unstaged = {}  # (layout, tile) -> the product at stages 0, for the bit check of staged ones
+        paths = [(p, lay, t, st) for p, lay, t in paths for st in (stage_list if p != "xla" else [None])]
+        unstaged = {}  # (path, layout, tile) -> the product at stages 0, for the bit check of staged ones
         for path, layout, tile, stages in paths:
             if path == "xla":
                 product = lambda x, r, i, q=qtype, lay=layout: xla_rows_matvec(x, r, i, q, lay)
             elif path == "int8":  # x rounded in the call (quant/int8_act.py): the gap to xla is the rounding's
-                product = lambda x, r, i, q=qtype, lay=layout, t=tile: rows_matvec_int8(
-                    *round_int8(x), r, i, q, lay, interpret=not gpu, tile=t)
+                product = lambda x, r, i, q=qtype, lay=layout, t=tile, st=stages: rows_matvec_int8(
+                    *round_int8(x), r, i, q, lay, interpret=not gpu, tile=t, stages=st)
             else:
                 product = lambda x, r, i, q=qtype, lay=layout, t=tile, st=stages: rows_matvec(
                     x, r, i, q, layout=lay, interpret=not gpu, tile=t, stages=st)
@@ -183,9 +183,9 @@ def main(argv=None) -> int:
             staging = {}
             if stages is not None:
                 if stages == 0:
-                    unstaged[(layout, tile)] = got
-                elif (layout, tile) in unstaged:
-                    staging["bits_equal_unstaged"] = bool(np.array_equal(got, unstaged[(layout, tile)]))
+                    unstaged[(path, layout, tile)] = got
+                elif (path, layout, tile) in unstaged:
+                    staging["bits_equal_unstaged"] = bool(np.array_equal(got, unstaged[(path, layout, tile)]))
                 staging["stages"] = stages
             tile = tile or (default_tile(qtype, K, n_out, n_in) if path != "xla" else None)
             net = max(s - loop_s, 1e-9)

@@ -22,10 +22,12 @@
 #                                             # six tiles on an H100 at 451c1c4 where XLA took 12-23: a fixed ~80 us
 #                                             # that no tile changed), ~3 min
 #   bash experiments/device_next.sh stages    # Triton's pipelining of the step loops (quant/loop_stages.py, added in
-#                                             # the thirty-second session, never run on a GPU): its GPU tests (staged
-#                                             # bits = unstaged), the products at stages 0/2/3/4 (V4.1's Q8_0 shapes
-#                                             # and two-bit experts), then V4.1 int8 decode ABAB with
-#                                             # JDS41_LOOP_STAGES=$STAGES_ON (default Q8_0=3) against none, ~8 min
+#                                             # the thirty-second session, never run on a GPU): its GPU tests, the
+#                                             # engine's GPU tests with every format staged, then V4.1's Q8_0 and
+#                                             # two-bit products (f32 and int8 kernels) at stages 0/2/3/4, ~8 min
+#   bash experiments/device_next.sh stages-decode  # V4.1 int8 decode ABAB, JDS41_LOOP_STAGES=$STAGES_ON (default
+#                                             # Q8_0=3,IQ2_XXS=3,Q2_K=3; pick it from the kernel rows) against none,
+#                                             # then one profile each, ~8 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at 00bd37d: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -102,18 +104,28 @@ case "${1:-}" in
     python3 experiments/bench_decode.py "${common[@]}"
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=4" python3 experiments/bench_decode.py "${common[@]}" ;;
   stages)
-    log=$(python3 -m pytest -q -m gpu -rf --tb=line tests/test_loop_stages.py 2>&1 | tail -25)
-    printf '%s\n' "$log" | tee "$OUT/gpu_tests_stages.txt"
-    grep -q "passed" <<<"$log" && ! grep -qE "[0-9]+ (failed|error)" <<<"$log" || exit 1
+    gpu_tests() {  # the GPU tests of these files pass (their summary and first failures go into the record)
+      local log
+      log=$(python3 -m pytest -q -m gpu -rf --tb=line "$@" 2>&1 | tail -25)
+      printf '== %s (JDS41_LOOP_STAGES=%s)\n%s\n' "$*" "${JDS41_LOOP_STAGES:-}" "$log" | tee -a "$OUT/gpu_tests_stages.txt"
+      grep -q "passed" <<<"$log" && ! grep -qE "[0-9]+ (failed|error)" <<<"$log"
+    }
+    gpu_tests tests/test_loop_stages.py || exit 1
+    JDS41_LOOP_STAGES=Q8_0=3,IQ2_XXS=3,Q2_K=3 gpu_tests tests/test_gpu_paths.py tests/test_triton_matvec.py || true
     python3 experiments/bench_kernels.py --stages 0,2,3,4 \
-      --shapes "$Q8_SHAPES,v41-experts-gate-up,v41-experts-down" --out "$OUT/bench_kernels_stages.jsonl"
+      --shapes "$Q8_SHAPES,v41-experts-gate-up,v41-experts-down" --out "$OUT/bench_kernels_stages.jsonl" ;;
+  stages-decode)
+    on="${STAGES_ON:-Q8_0=3,IQ2_XXS=3,Q2_K=3}"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_stages_v41_4L.jsonl")
-    while true; do  # decode ABAB: staged, then none, while the call's time allows
-      JDS41_LOOP_STAGES="${STAGES_ON:-Q8_0=3}" python3 experiments/bench_decode.py "${common[@]}"
-      python3 experiments/bench_decode.py "${common[@]}"
-      (( SECONDS < ${STAGES_DECODE_UNTIL_S:-380} )) || break
-    done ;;
+    JDS41_LOOP_STAGES="$on" python3 experiments/bench_decode.py "${common[@]}"
+    python3 experiments/bench_decode.py "${common[@]}"
+    JDS41_LOOP_STAGES="$on" python3 experiments/bench_decode.py "${common[@]}"
+    python3 experiments/bench_decode.py "${common[@]}"
+    prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8
+          --out "$OUT/profile_decode_stages_v41_4L.jsonl")
+    (( SECONDS < 420 )) && JDS41_LOOP_STAGES="$on" python3 experiments/profile_decode.py "${prof[@]}"
+    (( SECONDS < 500 )) && python3 experiments/profile_decode.py "${prof[@]}" ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
@@ -122,6 +134,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|stages-decode|v4" >&2
     exit 2 ;;
 esac

@@ -276,19 +276,6 @@ def _load_q8_0(w_ref, rows, b, *, n_in: int):
     return quants, _f16_bytes(w_ref, rows[:, None], (n_in + 2 * b)[None, :])
 
 
-def _load_q8_0_staged(w_ref, rows, first, *, n_in: int, nb: int):
-    """`_load_q8_0` for a staged loop (quant/loop_stages.py), from the step's first block `first` (a scalar): the
-    same bytes, with the scales loaded as one run of 2 * NB contiguous bytes a row and split into low and high bytes
-    in registers. Triton pipelines only loads of 32 aligned contiguous bits or more, and the two strided byte loads
-    of `_load_q8_0` would stay synchronous in every step; its offsets are built from the scalar so Triton's
-    analysis sees them contiguous and aligned."""
-    b = first + jnp.arange(nb, dtype=jnp.int32)
-    quants = w_ref[rows[:, None, None], (b[:, None] * 32 + _ar(32, 1, 2))[None]]  # [BO, NB, 32]
-    pairs = w_ref[rows[:, None], (n_in + 2 * first + jnp.arange(2 * nb, dtype=jnp.int32))[None, :]]  # [BO, 2NB]
-    lo, hi = jnp.split(pairs.reshape(rows.shape[0], nb, 2), 2, axis=2)
-    return quants, (lo[:, :, 0], hi[:, :, 0])
-
-
 def _dot_q8_0(loaded, x_ref, kx, b):
     """Planar rows: 32 int8 per block from the row's start, f16 scales after them: sum(q*x) * d. Tiles loaded as
     in `_load_mxfp4`, for the same reason. Each int8 v becomes f32 as (2^23 + v + 128) - (2^23 + 128), exact."""
@@ -463,6 +450,54 @@ def _crumb_major(x_XI: jax.Array) -> jax.Array:
     return x_XI.reshape(X, n_in // 256, 64, 4).swapaxes(2, 3).reshape(X, n_in)
 
 
+# Staged loads (quant/loop_stages.py): the same fields as the loads above, from the step's first block `first` (a
+# scalar), every one loaded as runs of at least 4 contiguous, aligned bytes. Triton pipelines only such loads; a
+# strided byte load (`_f16_bytes`' two, IQ2_XXS's four sign-word bytes) would stay synchronous in every step. Offsets
+# are built from the scalar so Triton's analysis sees them contiguous and aligned; the narrow fields are split out
+# of the wide loads in registers (`jnp.split` along a last axis: Triton's split).
+
+
+def _f16_runs(w_ref, rows, at, n: int):
+    """`_f16_bytes` of the n consecutive f16s from byte offset `at` (a scalar) of rows `rows`: one load of 2n bytes a
+    row, split into the low and the high bytes, each [BO, n]."""
+    pairs = w_ref[rows[:, None], (at + jnp.arange(2 * n, dtype=jnp.int32))[None, :]]
+    lo, hi = jnp.split(pairs.reshape(rows.shape[0], n, 2), 2, axis=2)
+    return lo[:, :, 0], hi[:, :, 0]
+
+
+def _load_q8_0_staged(w_ref, rows, first, *, n_in: int, nb: int):
+    """`_load_q8_0`'s quants [BO, NB, 32] and scale bytes."""
+    b = first + jnp.arange(nb, dtype=jnp.int32)
+    quants = w_ref[rows[:, None, None], (b[:, None] * 32 + _ar(32, 1, 2))[None]]
+    return quants, _f16_runs(w_ref, rows, n_in + 2 * first, nb)
+
+
+def _load_iq2_xxs_staged(w_ref, rows, first, *, n_in: int, nb: int):
+    """`_load_iq2_xxs`'s fields from planar rows: each group's 8 bytes in one load, split into its 4 index bytes and
+    its sign word's 4 bytes."""
+    b = first + jnp.arange(nb, dtype=jnp.int32)
+    groups = w_ref[rows[:, None, None, None], b[None, :, None, None] * 64 + _ar(8, 2, 4) * 8 + _ar(8, 3, 4)]
+    idx, aux = jnp.split(groups, 2, axis=3)  # [BO, NB, 8, 4] each
+    return idx, tuple(jnp.split(aux, 4, axis=3)), _f16_runs(w_ref, rows, quant_bytes(T.IQ2_XXS, n_in) + 2 * first, nb)
+
+
+def _load_q2_k_staged(w_ref, rows, first, *, n_in: int, nb: int):
+    """`_load_q2_k_planar`'s fields: codes [BO, NB, 16, 4], scale|min bytes [BO, NB, 16], and d and dmin from one
+    load of each block's last 4 bytes."""
+    b = first + jnp.arange(nb, dtype=jnp.int32)
+    codes = w_ref[rows[:, None, None, None], b[None, :, None, None] * 64 + _ar(16, 2, 4) * 4 + _ar(4, 3, 4)]
+    fields_at = (quant_bytes(T.Q2_K, n_in) + b * 20)[:, None]  # [NB, 1]
+    sc = w_ref[rows[:, None, None], (fields_at + _ar(16, 1, 2))[None]]
+    d_dmin = w_ref[rows[:, None, None], (fields_at + 16 + _ar(4, 1, 2))[None]]  # [BO, NB, 4]
+    d_lo, d_hi, m_lo, m_hi = (f[..., 0] for f in jnp.split(d_dmin, 4, axis=2))
+    return codes, sc, (d_lo, d_hi), (m_lo, m_hi)
+
+
+# (qtype, layout) -> the staged load of the f32 step (and of the int8 kernels that read the same fields)
+STAGED_LOADS = {(T.Q8_0, "planar"): _load_q8_0_staged, (T.IQ2_XXS, "planar"): _load_iq2_xxs_staged,
+                (T.Q2_K, "planar"): _load_q2_k_staged}
+
+
 def _steps(qtype, planar: bool, n_in: int):
     """(load, dot) of a format's f32 step (the comment above `_load_mxfp4`)."""
     return {
@@ -584,7 +619,9 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
     platform: the CPU tests); `tile` (BO, NB, warps[, splits]) overrides the tile for benchmarks (BO must divide O,
     and NB * splits the row's blocks: each of `splits` programs sums its share of a row's steps, and the shares'
     sums are added in split order). `raw_EOR` may be a tuple of stacks of one shape: one launch, a tuple of results
-    (`launch`). `stages`: the step loop's pipeline stages (`launch`; None: LOOP_STAGES' for the format, 0: none)."""
+    (`launch`). `stages`: the step loop's pipeline stages (`launch`; None: LOOP_STAGES' for the format, 0: none);
+    a staged loop reads with the format's STAGED_LOADS load where it has one, and never loads a step ahead in
+    registers (PREFETCH: the pipelining replaces it)."""
     K, n_in = idx_K.shape[0], x_XI.shape[1]
     bo, nb, warps, splits = checked_tile("rows_matvec", KINDS, qtype, layout, raw_EOR, K, x_XI.shape[0], n_in, tile)
     values = BLOCKS[qtype][0]
@@ -595,9 +632,10 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
         x_XI = _crumb_major(x_XI)
     load, dot = _steps(qtype, layout == "planar", n_in)
     stages = LOOP_STAGES.get(qtype, 0) if stages is None else stages
-    staged_q8 = bool(stages) and qtype == T.Q8_0
-    if staged_q8:
-        load = functools.partial(_load_q8_0_staged, n_in=n_in, nb=nb)
-    return launch(x_XI.astype(jnp.float32), raw_EOR, idx_K, extra, load=load, dot=dot, prefetch=qtype in PREFETCH,
-                  tile=(bo, nb, warps, splits), steps=n_in // (nb * values * splits), interpret=interpret,
-                  name=f"rows_matvec_{qtype.name.lower()}_{layout}", stages=stages, load_first=staged_q8)
+    staged = STAGED_LOADS.get((qtype, layout)) if stages else None
+    if staged is not None:
+        load = functools.partial(staged, n_in=n_in, nb=nb)
+    return launch(x_XI.astype(jnp.float32), raw_EOR, idx_K, extra, load=load, dot=dot,
+                  prefetch=qtype in PREFETCH and not stages, tile=(bo, nb, warps, splits),
+                  steps=n_in // (nb * values * splits), interpret=interpret,
+                  name=f"rows_matvec_{qtype.name.lower()}_{layout}", stages=stages, load_first=staged is not None)
