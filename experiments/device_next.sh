@@ -28,6 +28,11 @@
 #   bash experiments/device_next.sh stages-decode  # V4.1 int8 decode ABAB, JDS41_LOOP_STAGES=$STAGES_ON (default
 #                                             # Q8_0=3,IQ2_XXS=3,Q2_K=3; pick it from the kernel rows) against none,
 #                                             # then one profile each, ~8 min
+#   bash experiments/device_next.sh xla-ab    # V4.1 int8 decode ABAB: XLA's defaults against XLA_FLAGS plus $XLA_AB,
+#                                             # e.g. XLA_AB=--xla_gpu_enable_pdl=false (is programmatic dependent
+#                                             # launch, on by default in recent XLA for its own kernels on Hopper, in
+#                                             # effect here? llama.cpp's CUDA graph overlaps its ~1,100 kernels a step
+#                                             # that way), ~6 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at 00bd37d: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -126,6 +131,15 @@ case "${1:-}" in
           --out "$OUT/profile_decode_stages_v41_4L.jsonl")
     (( SECONDS < 420 )) && JDS41_LOOP_STAGES="$on" python3 experiments/profile_decode.py "${prof[@]}"
     (( SECONDS < 500 )) && python3 experiments/profile_decode.py "${prof[@]}" ;;
+  xla-ab)
+    extra="${XLA_AB:?set XLA_AB to the XLA flags to add}"
+    common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
+            --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_xla_ab_v41_4L.jsonl")
+    while true; do  # the rows carry XLA_FLAGS
+      python3 experiments/bench_decode.py "${common[@]}"
+      XLA_FLAGS="${XLA_FLAGS:-} $extra" python3 experiments/bench_decode.py "${common[@]}"
+      (( SECONDS < ${XLA_AB_UNTIL_S:-330} )) || break
+    done ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
@@ -134,6 +148,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|stages-decode|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|stages-decode|xla-ab|v4" >&2
     exit 2 ;;
 esac
