@@ -28,6 +28,10 @@
 #   bash experiments/device_next.sh stages-decode  # V4.1 int8 decode ABAB, JDS41_LOOP_STAGES=$STAGES_ON (default
 #                                             # Q8_0=3,IQ2_XXS=3,Q2_K=3; pick it from the kernel rows) against none,
 #                                             # then one profile each, ~8 min
+#   bash experiments/device_next.sh mgpu      # the Mosaic GPU Q8_0 kernel (quant/mgpu_matvec.py, a TMA pipeline; built
+#                                             # in the thirty-second session, lowered on the CPU, never compiled):
+#                                             # its GPU tests, then V4.1's Q8_0 shapes at 2/3/4/6 steps in flight
+#                                             # beside XLA and the Triton kernel, ~4 min
 #   bash experiments/device_next.sh xla-ab    # V4.1 int8 decode ABAB: XLA's defaults against XLA_FLAGS plus $XLA_AB,
 #                                             # e.g. XLA_AB=--xla_gpu_enable_pdl=false (is programmatic dependent
 #                                             # launch, on by default in recent XLA for its own kernels on Hopper, in
@@ -119,6 +123,11 @@ case "${1:-}" in
     JDS41_LOOP_STAGES=Q8_0=3,IQ2_XXS=3,Q2_K=3 gpu_tests tests/test_gpu_paths.py tests/test_triton_matvec.py || true
     python3 experiments/bench_kernels.py --stages 0,2,3,4 \
       --shapes "$Q8_SHAPES,v41-experts-gate-up,v41-experts-down" --out "$OUT/bench_kernels_stages.jsonl" ;;
+  mgpu)
+    log=$(python3 -m pytest -q -m gpu -rf --tb=short tests/test_mgpu_matvec.py 2>&1 | tail -40)
+    printf '%s\n' "$log" | tee "$OUT/gpu_tests_mgpu.txt"
+    grep -q "passed" <<<"$log" || exit 1  # a failing shape is in the record; the timing still runs for the others
+    python3 experiments/bench_kernels.py --mgpu 2,3,4,6 --shapes "$Q8_SHAPES" --out "$OUT/bench_kernels_mgpu.jsonl" ;;
   stages-decode)
     on="${STAGES_ON:-Q8_0=3,IQ2_XXS=3,Q2_K=3}"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
@@ -148,6 +157,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|stages-decode|xla-ab|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|stages-decode|mgpu|xla-ab|v4" >&2
     exit 2 ;;
 esac

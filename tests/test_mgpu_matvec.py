@@ -1,0 +1,68 @@
+"""The Mosaic GPU Q8_0 product (jds41/quant/mgpu_matvec.py): in Pallas' GPU interpreter against a float64
+re-derivation from gguf-py's dequantizer, its CUDA lowering (which runs on any host) at V4.1's shapes, its checks;
+compiled against XLA's spelling under the `gpu` marker. Speed is experiments/bench_kernels.py --mgpu's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from kernel_reference import reference_rows_matvec, rel_error
+
+from jds41.quant.mgpu_matvec import q8_0_matvec, supported
+from jds41.quant.planar import to_planar
+from jds41.quant.qtensor import xla_rows_matvec
+from jds41.quant.random_blocks import random_quantized
+
+
+@pytest.mark.parametrize("x_rows,stages", [(1, 1), (3, 3)])
+def test_the_interpreted_kernel_equals_a_float64_reference(x_rows, stages):
+    rng = np.random.default_rng(0)
+    raw = random_quantized(rng, T.Q8_0, (3, 128, 512))  # two CTAs of rows, two pipeline steps a row
+    idx = np.array([2, 0, 7], np.int32)  # 7 clamps to the stack
+    x = rng.standard_normal((x_rows, 512)).astype(np.float32)
+    got = q8_0_matvec(jnp.asarray(x), jnp.asarray(to_planar(raw, T.Q8_0)), jnp.asarray(idx), stages=stages,
+                      interpret=True)
+    assert got.shape == (3, 128) and got.dtype == jnp.float32
+    assert rel_error(got, reference_rows_matvec(x, raw, idx, T.Q8_0)) < 1e-6
+
+
+# V4.1's dense Q8_0 products (attention q_a, kv, q_b, o_a in 8 groups, o_b, the shared expert, the head) as
+# (experts, out, in, K, x rows)
+V41_SHAPES = [(16, 1280, 5120, 1, 1), (48, 512, 5120, 1, 1), (4, 32768, 1280, 1, 1), (32, 1024, 4096, 8, 8),
+              (4, 5120, 8192, 1, 1), (12, 2304, 5120, 1, 1), (12, 5120, 2304, 1, 1), (1, 129280, 5120, 1, 1)]
+
+
+def test_it_lowers_for_cuda_at_every_v41_q8_0_shape():
+    for E, n_out, n_in, K, X in V41_SHAPES:
+        assert supported(n_out, n_in)
+        args = (jax.ShapeDtypeStruct((X, n_in), jnp.float32),
+                jax.ShapeDtypeStruct((E, n_out, n_in // 32 * 34), jnp.uint8), jax.ShapeDtypeStruct((K,), jnp.int32))
+        text = jax.jit(lambda x, r, i: q8_0_matvec(x, r, i)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text, (n_out, n_in)
+
+
+def test_rows_it_cannot_take_are_refused_with_the_shape():
+    x, idx = jnp.ones((1, 512), jnp.float32), jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match=r"\[96, 512\]"):  # not whole 64-row CTAs
+        q8_0_matvec(x, jnp.zeros((1, 96, 544), jnp.uint8), idx, interpret=True)
+    with pytest.raises(ValueError, match="rows of 512 bytes"):  # GGML-sized rows of another format
+        q8_0_matvec(x, jnp.zeros((1, 64, 512), jnp.uint8), idx, interpret=True)
+    assert not supported(64, 320)  # 320 inputs: not whole 256-value steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,n_out,n_in,K,X", V41_SHAPES)
+def test_the_compiled_kernel_agrees_with_the_xla_spelling_on_the_gpu(E, n_out, n_in, K, X):
+    rng = np.random.default_rng(3)
+    one = random_quantized(rng, T.Q8_0, (1, min(n_out, 2048), n_in))
+    raw = np.tile(one, (min(E, 4), -(-n_out // one.shape[1]), 1))[:, :n_out]
+    idx = jnp.asarray(rng.integers(0, raw.shape[0], K), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((X, n_in)), jnp.float32)
+    want = np.asarray(jax.jit(lambda x, r, i: xla_rows_matvec(x, r, i, T.Q8_0))(x, jax.device_put(raw), idx))
+    rows = jax.device_put(to_planar(raw, T.Q8_0))
+    for stages in (2, 4):
+        got = np.asarray(jax.jit(lambda x, r, i, s=stages: q8_0_matvec(x, r, i, stages=s))(x, rows, idx))
+        assert np.isfinite(got).all() and rel_error(got, want.astype(np.float64)) < 1e-5, stages
