@@ -39,6 +39,7 @@ from bench_decode import BW, _commit, _machine, emit, kernel_ab  # noqa: E402  (
 
 from jds41.quant import row_bytes  # noqa: E402
 from jds41.quant.int8_act import round_int8  # noqa: E402
+from jds41.quant.mgpu_matvec import default_splits as mgpu_splits  # noqa: E402
 from jds41.quant.mgpu_matvec import q8_0_matvec  # noqa: E402
 from jds41.quant.mgpu_matvec import supported as mgpu_supported  # noqa: E402
 from jds41.quant.planar import PLANAR_TYPES, to_planar  # noqa: E402
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
                 continue
             staging = {}
             if path == "mgpu":
-                staging["stages"] = stages
+                staging.update(stages=stages, splits=mgpu_splits(K, n_out, n_in))
             elif stages is not None:
                 if stages == 0:
                     unstaged[(path, layout, tile)] = got

@@ -11,20 +11,20 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from kernel_reference import reference_rows_matvec, rel_error
 
-from jds41.quant.mgpu_matvec import q8_0_matvec, supported
+from jds41.quant.mgpu_matvec import TARGET_CTAS, default_splits, q8_0_matvec, supported
 from jds41.quant.planar import to_planar
 from jds41.quant.qtensor import xla_rows_matvec
 from jds41.quant.random_blocks import random_quantized
 
 
-@pytest.mark.parametrize("x_rows,stages", [(1, 1), (3, 3)])
-def test_the_interpreted_kernel_equals_a_float64_reference(x_rows, stages):
+@pytest.mark.parametrize("x_rows,stages,splits", [(1, 1, 1), (3, 3, None)])
+def test_the_interpreted_kernel_equals_a_float64_reference(x_rows, stages, splits):
     rng = np.random.default_rng(0)
     raw = random_quantized(rng, T.Q8_0, (3, 128, 512))  # two CTAs of rows, two pipeline steps a row
     idx = np.array([2, 0, 7], np.int32)  # 7 clamps to the stack
     x = rng.standard_normal((x_rows, 512)).astype(np.float32)
     got = q8_0_matvec(jnp.asarray(x), jnp.asarray(to_planar(raw, T.Q8_0)), jnp.asarray(idx), stages=stages,
-                      interpret=True)
+                      splits=splits, interpret=True)  # None: the rule's 2 (6 CTAs a split, 2 steps a row)
     assert got.shape == (3, 128) and got.dtype == jnp.float32
     assert rel_error(got, reference_rows_matvec(x, raw, idx, T.Q8_0)) < 1e-6
 
@@ -33,6 +33,16 @@ def test_the_interpreted_kernel_equals_a_float64_reference(x_rows, stages):
 # (experts, out, in, K, x rows)
 V41_SHAPES = [(16, 1280, 5120, 1, 1), (48, 512, 5120, 1, 1), (4, 32768, 1280, 1, 1), (32, 1024, 4096, 8, 8),
               (4, 5120, 8192, 1, 1), (12, 2304, 5120, 1, 1), (12, 5120, 2304, 1, 1), (1, 129280, 5120, 1, 1)]
+
+
+def test_the_split_rule_divides_the_steps_and_fills_the_gpu_where_it_can():
+    for _, n_out, n_in, K, _ in V41_SHAPES:
+        steps, splits = n_in // 256, default_splits(K, n_out, n_in)
+        assert steps % splits == 0
+        ctas = K * (n_out // 64) * splits
+        assert ctas >= TARGET_CTAS or splits == steps, (n_out, n_in)
+        assert splits == 1 or K * (n_out // 64) * max(d for d in range(1, splits) if steps % d == 0) < TARGET_CTAS
+    assert default_splits(1, 129280, 5120) == 1 and default_splits(1, 512, 5120) == 20  # the head; kv: one a step
 
 
 def test_it_lowers_for_cuda_at_every_v41_q8_0_shape():
@@ -50,6 +60,8 @@ def test_rows_it_cannot_take_are_refused_with_the_shape():
         q8_0_matvec(x, jnp.zeros((1, 96, 544), jnp.uint8), idx, interpret=True)
     with pytest.raises(ValueError, match="rows of 512 bytes"):  # GGML-sized rows of another format
         q8_0_matvec(x, jnp.zeros((1, 64, 512), jnp.uint8), idx, interpret=True)
+    with pytest.raises(ValueError, match="3 splits do not divide a row's 2 steps"):
+        q8_0_matvec(x, jnp.zeros((1, 64, 544), jnp.uint8), idx, splits=3, interpret=True)
     assert not supported(64, 320)  # 320 inputs: not whole 256-value steps
 
 
@@ -63,6 +75,7 @@ def test_the_compiled_kernel_agrees_with_the_xla_spelling_on_the_gpu(E, n_out, n
     x = jnp.asarray(rng.standard_normal((X, n_in)), jnp.float32)
     want = np.asarray(jax.jit(lambda x, r, i: xla_rows_matvec(x, r, i, T.Q8_0))(x, jax.device_put(raw), idx))
     rows = jax.device_put(to_planar(raw, T.Q8_0))
-    for stages in (2, 4):
-        got = np.asarray(jax.jit(lambda x, r, i, s=stages: q8_0_matvec(x, r, i, stages=s))(x, rows, idx))
-        assert np.isfinite(got).all() and rel_error(got, want.astype(np.float64)) < 1e-5, stages
+    for stages, splits in ((2, None), (4, None), (4, 1)):
+        got = np.asarray(jax.jit(lambda x, r, i, st=stages, sp=splits: q8_0_matvec(x, r, i, stages=st, splits=sp))(
+            x, rows, idx))
+        assert np.isfinite(got).all() and rel_error(got, want.astype(np.float64)) < 1e-5, (stages, splits)

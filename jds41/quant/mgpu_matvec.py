@@ -9,10 +9,12 @@ the warpgroup computes on a step while the next ones arrive. This is that kernel
 that is bound by bytes (V4.1's attention, shared expert and head: 60% of a layer's product bytes). Opt-in: nothing
 in the engine calls it yet; experiments/bench_kernels.py --mgpu times it against the Triton kernel and XLA.
 
-Owns `q8_0_matvec(x_XI, raw_EOR, idx_K, *, stages, interpret) -> f32 [K, O]`, the contract of
+Owns `q8_0_matvec(x_XI, raw_EOR, idx_K, *, stages, splits, interpret) -> f32 [K, O]`, the contract of
 `triton_matvec.rows_matvec` for planar Q8_0 rows: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i], indices clamped.
 
-The grid: one CTA (one warpgroup) per selection k and BO = 64 rows (the height of Mosaic's WGMMA register layout).
+The grid: one CTA (one warpgroup) per selection k, BO = 64 rows (the height of Mosaic's WGMMA register layout) and
+split s of the row: a shape with few row tiles (V4.1's kv: 8 CTAs for 132 SMs) splits its rows' steps over S CTAs
+(`default_splits`: the fewest that give 2 CTAs an SM), whose partial sums are added in split order after the call.
 Its pipeline walks the row in steps of NB = 8 blocks of 32; a step's tiles are the rows' 256 quant bytes, their 16
 scale bytes (planar rows hold every quant first, then every f16 scale: quant/planar.py) and x's 256 values. NB is
 fixed by the TMA unit: a tile spans at most 256 elements along a dimension, and its row at least 16 bytes. Per
@@ -30,6 +32,7 @@ nor `plgpu.load`. The CUDA lowering, which also runs on the CPU, checks the layo
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +41,7 @@ from jax.experimental import pallas as pl
 
 BO, NB = 64, 8  # rows a CTA (the WGMMA layout's height), blocks a step (a step reads 16 KB of quants, 1 KB of x)
 DEFAULT_STAGES = 4  # steps in flight a CTA (emit_pipeline's max_concurrent_steps)
+TARGET_CTAS = 2 * 132  # two CTAs for each of the H100's and H200's 132 SMs
 
 
 def _plgpu():
@@ -46,7 +50,7 @@ def _plgpu():
     return plgpu
 
 
-def _kernel(idx_gmem, x_gmem, w_gmem, o_gmem, o_smem, *, n_in: int, n_out: int, E: int, stages: int,
+def _kernel(idx_gmem, x_gmem, w_gmem, o_gmem, o_smem, *, n_in: int, n_out: int, E: int, stages: int, splits: int,
             x_per_row: bool, interpret: bool):
     plgpu = _plgpu()
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
@@ -56,7 +60,8 @@ def _kernel(idx_gmem, x_gmem, w_gmem, o_gmem, o_smem, *, n_in: int, n_out: int, 
         interpreted, the ref as it is."""
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=False)
 
-    k, j = lax.axis_index("k"), lax.axis_index("o")
+    k, j, split = lax.axis_index("k"), lax.axis_index("o"), lax.axis_index("s")
+    share = n_in // splits  # the inputs this CTA sums
     expert = jnp.clip(idx_gmem[k], 0, E - 1)
     rows = pl.ds(expert * n_out + j * BO, BO)
 
@@ -74,17 +79,17 @@ def _kernel(idx_gmem, x_gmem, w_gmem, o_gmem, o_smem, *, n_in: int, n_out: int, 
 
     zeros = jnp.zeros((BO,), jnp.float32)
     acc = plgpu.emit_pipeline(
-        step, grid=(n_in // (NB * 32),),
+        step, grid=(share // (NB * 32),),
         in_specs=[plgpu.BlockSpec((BO, NB * 32), lambda t: (0, t)),  # quants
                   plgpu.BlockSpec((BO, 2 * NB), lambda t: (0, t)),  # f16 scales as bytes
                   plgpu.BlockSpec((NB * 32,), lambda t: (t,))],  # x
         max_concurrent_steps=stages,
         init_carry=zeros if interpret else plgpu.layout_cast(zeros, row_layout),
-    )(w_gmem.at[rows, pl.ds(0, n_in)], w_gmem.at[rows, pl.ds(n_in, n_in // 16)],
-      x_gmem.at[k if x_per_row else 0])
+    )(w_gmem.at[rows, pl.ds(split * share, share)], w_gmem.at[rows, pl.ds(n_in + split * (share // 16), share // 16)],
+      x_gmem.at[k if x_per_row else 0, pl.ds(split * share, share)])
     o_smem[...] = acc
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[k, pl.ds(j * BO, BO)])
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[split, k, pl.ds(j * BO, BO)])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -93,25 +98,38 @@ def supported(n_out: int, n_in: int) -> bool:
     return n_out % BO == 0 and n_in % (NB * 32) == 0
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "interpret"))
+def default_splits(K: int, n_out: int, n_in: int) -> int:
+    """The fewest splits of a row's steps (dividing them) that give TARGET_CTAS CTAs, or one a step."""
+    steps = n_in // (NB * 32)
+    return next((s for s in range(1, steps + 1) if steps % s == 0 and K * (n_out // BO) * s >= TARGET_CTAS), steps)
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "splits", "interpret"))
 def q8_0_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, *, stages: int = DEFAULT_STAGES,
-                interpret: bool = False) -> jax.Array:
+                splits: int | None = None, interpret: bool = False) -> jax.Array:
     """y[k, o] = sum_i W[idx[k], o, i] x[k, i] (x [K, I]) or x[0, i] (x [1, I]) -> f32 [K, O], from planar Q8_0 rows
     `raw_EOR` uint8 [E, O, I / 32 * 34]; indices clamped to the stack. `stages`: pipeline steps in flight a CTA;
-    `interpret` runs Pallas' GPU interpreter (any platform)."""
+    `splits`: CTAs a row's steps are shared among (dividing them; None: `default_splits`), their sums added in split
+    order; `interpret` runs Pallas' GPU interpreter (any platform)."""
     plgpu = _plgpu()
     E, n_out, R = raw_EOR.shape
     K, X, n_in = idx_K.shape[0], x_XI.shape[0], x_XI.shape[1]
     if not supported(n_out, n_in) or R != n_in // 32 * 34 or X not in (1, K) or stages < 1:
         raise ValueError(f"q8_0_matvec: [{n_out}, {n_in}] rows of {R} bytes (planar Q8_0, {BO}-row CTAs, "
                          f"{NB * 32}-value steps), x with {X} rows for {K} indices, {stages} stages")
-    kernel = functools.partial(_kernel, n_in=n_in, n_out=n_out, E=E, stages=stages, x_per_row=X > 1,
+    splits = default_splits(K, n_out, n_in) if splits is None else splits
+    if splits < 1 or (n_in // (NB * 32)) % splits:
+        raise ValueError(f"q8_0_matvec: {splits} splits do not divide a row's {n_in // (NB * 32)} steps")
+    kernel = functools.partial(_kernel, n_in=n_in, n_out=n_out, E=E, stages=stages, splits=splits, x_per_row=X > 1,
                                interpret=interpret)
     extra = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         extra["interpret"] = InterpretGPUParams()
-    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((K, n_out), jnp.float32), grid=(K, n_out // BO),
-                        grid_names=("k", "o"), scratch_types=dict(o_smem=plgpu.SMEM((BO,), jnp.float32)), **extra)
-    return call(idx_K.astype(jnp.int32), x_XI.astype(jnp.float32), raw_EOR.reshape(E * n_out, R))
+    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((splits, K, n_out), jnp.float32),
+                        grid=(K, n_out // BO, splits), grid_names=("k", "o", "s"),
+                        scratch_types=dict(o_smem=plgpu.SMEM((BO,), jnp.float32)), **extra)
+    out = call(idx_K.astype(jnp.int32), x_XI.astype(jnp.float32), raw_EOR.reshape(E * n_out, R))
+    # the splits' partial sums in split order, one add at a time (a reduction over the axis may take any order)
+    return functools.reduce(operator.add, (out[s] for s in range(1, splits)), out[0])
