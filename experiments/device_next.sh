@@ -25,18 +25,17 @@
 #                                             # the thirty-second session, never run on a GPU): its GPU tests, the
 #                                             # engine's GPU tests with every format staged, then V4.1's Q8_0 and
 #                                             # two-bit products (f32 and int8 kernels) at stages 0/2/3/4, ~8 min
-#   bash experiments/device_next.sh stages-decode  # V4.1 int8 decode ABAB, JDS41_LOOP_STAGES=$STAGES_ON (default
-#                                             # Q8_0=3,IQ2_XXS=3,Q2_K=3; pick it from the kernel rows) against none,
-#                                             # then one profile each, ~8 min
 #   bash experiments/device_next.sh mgpu      # the Mosaic GPU Q8_0 kernel (quant/mgpu_matvec.py, a TMA pipeline; built
 #                                             # in the thirty-second session, lowered on the CPU, never compiled):
-#                                             # its GPU tests, then V4.1's Q8_0 shapes at 2/3/4/6 steps in flight
-#                                             # beside XLA and the Triton kernel, ~4 min
-#   bash experiments/device_next.sh xla-ab    # V4.1 int8 decode ABAB: XLA's defaults against XLA_FLAGS plus $XLA_AB,
-#                                             # e.g. XLA_AB=--xla_gpu_enable_pdl=false (is programmatic dependent
-#                                             # launch, on by default in recent XLA for its own kernels on Hopper, in
-#                                             # effect here? llama.cpp's CUDA graph overlaps its ~1,100 kernels a step
-#                                             # that way), ~6 min
+#                                             # its GPU tests, the engine's GPU tests with JDS41_MOSAIC_Q8=1, then
+#                                             # V4.1's Q8_0 shapes at 2/3/4/6 steps in flight beside XLA and the
+#                                             # Triton kernel, ~5 min
+#   bash experiments/device_next.sh decode-ab # V4.1 int8 decode ABAB: the defaults against the environment in
+#                                             # AB_ON (e.g. AB_ON="JDS41_LOOP_STAGES=Q8_0=3,IQ2_XXS=3,Q2_K=3",
+#                                             # AB_ON=JDS41_MOSAIC_Q8=1, or AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false":
+#                                             # recent XLA launches its own kernels with programmatic dependent
+#                                             # launch on Hopper by default, llama.cpp overlaps its ~1,100 kernels a
+#                                             # step that way), then one profile each while time allows, ~8 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at 00bd37d: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -127,28 +126,21 @@ case "${1:-}" in
     log=$(python3 -m pytest -q -m gpu -rf --tb=short tests/test_mgpu_matvec.py 2>&1 | tail -40)
     printf '%s\n' "$log" | tee "$OUT/gpu_tests_mgpu.txt"
     grep -q "passed" <<<"$log" || exit 1  # a failing shape is in the record; the timing still runs for the others
+    log=$(JDS41_MOSAIC_Q8=1 python3 -m pytest -q -m gpu -rf --tb=line tests/test_gpu_paths.py 2>&1 | tail -25)
+    printf '== tests/test_gpu_paths.py (JDS41_MOSAIC_Q8=1)\n%s\n' "$log" | tee -a "$OUT/gpu_tests_mgpu.txt"
     python3 experiments/bench_kernels.py --mgpu 2,3,4,6 --shapes "$Q8_SHAPES" --out "$OUT/bench_kernels_mgpu.jsonl" ;;
-  stages-decode)
-    on="${STAGES_ON:-Q8_0=3,IQ2_XXS=3,Q2_K=3}"
+  decode-ab)
+    read -r -a on <<<"${AB_ON:?set AB_ON to the environment assignments to A/B, e.g. JDS41_MOSAIC_Q8=1}"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
-            --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_stages_v41_4L.jsonl")
-    JDS41_LOOP_STAGES="$on" python3 experiments/bench_decode.py "${common[@]}"
+            --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_ab_v41_4L.jsonl")
+    env "${on[@]}" python3 experiments/bench_decode.py "${common[@]}"  # the rows carry the switches and XLA_FLAGS
     python3 experiments/bench_decode.py "${common[@]}"
-    JDS41_LOOP_STAGES="$on" python3 experiments/bench_decode.py "${common[@]}"
+    env "${on[@]}" python3 experiments/bench_decode.py "${common[@]}"
     python3 experiments/bench_decode.py "${common[@]}"
     prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8
-          --out "$OUT/profile_decode_stages_v41_4L.jsonl")
-    (( SECONDS < 420 )) && JDS41_LOOP_STAGES="$on" python3 experiments/profile_decode.py "${prof[@]}"
-    (( SECONDS < 500 )) && python3 experiments/profile_decode.py "${prof[@]}" ;;
-  xla-ab)
-    extra="${XLA_AB:?set XLA_AB to the XLA flags to add}"
-    common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
-            --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_xla_ab_v41_4L.jsonl")
-    while true; do  # the rows carry XLA_FLAGS
-      python3 experiments/bench_decode.py "${common[@]}"
-      XLA_FLAGS="${XLA_FLAGS:-} $extra" python3 experiments/bench_decode.py "${common[@]}"
-      (( SECONDS < ${XLA_AB_UNTIL_S:-330} )) || break
-    done ;;
+          --out "$OUT/profile_decode_ab_v41_4L.jsonl")
+    if (( SECONDS < 420 )); then env "${on[@]}" python3 experiments/profile_decode.py "${prof[@]}"; fi
+    if (( SECONDS < 500 )); then python3 experiments/profile_decode.py "${prof[@]}"; fi ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
@@ -157,6 +149,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|stages-decode|mgpu|xla-ab|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|mgpu|decode-ab|v4" >&2
     exit 2 ;;
 esac

@@ -11,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from kernel_reference import reference_rows_matvec, rel_error
 
+from jds41.quant import QTensor, qmatvec, qtensor
 from jds41.quant.mgpu_matvec import TARGET_CTAS, default_splits, q8_0_matvec, supported
 from jds41.quant.planar import to_planar
 from jds41.quant.qtensor import xla_rows_matvec
@@ -65,6 +66,29 @@ def test_rows_it_cannot_take_are_refused_with_the_shape():
     assert not supported(64, 320)  # 320 inputs: not whole 256-value steps
 
 
+def test_the_switch_routes_dense_planar_q8_0_products_to_it_on_cuda_only(monkeypatch):
+    rng = np.random.default_rng(1)
+    raw = random_quantized(rng, T.Q8_0, (1, 128, 512))[0]
+    planar = QTensor.from_raw(raw, T.Q8_0, (128, 512)).with_layout(jnp.asarray(to_planar(raw[None], T.Q8_0)[0]),
+                                                                    "planar")
+    odd = QTensor.from_raw(raw[:96], T.Q8_0, (96, 512)).with_layout(
+        jnp.asarray(to_planar(raw[None, :96], T.Q8_0)[0]), "planar")  # 96 rows: not whole 64-row CTAs
+    x = jnp.asarray(rng.standard_normal(512), jnp.float32)
+
+    def lowered(w, platform):
+        return jax.jit(lambda x: qmatvec(x, w)).trace(x).lower(lowering_platforms=(platform,)).as_text()
+
+    monkeypatch.setattr(qtensor, "_MOSAIC_Q8", True)
+    on = lowered(planar, "cuda")
+    assert "mosaic_gpu" in on and "rows_matvec_q8_0_planar" not in on
+    assert "mosaic_gpu" not in lowered(odd, "cuda")  # the Triton kernel keeps the shapes it cannot take
+    assert "mosaic_gpu" not in lowered(planar, "cpu")
+    want = reference_rows_matvec(np.asarray(x)[None], raw[None], np.zeros(1, np.int32), T.Q8_0)[0]
+    assert rel_error(qmatvec(x, planar), want) < 1e-6  # on the CPU: XLA's spelling, as before
+    monkeypatch.setattr(qtensor, "_MOSAIC_Q8", False)
+    assert "mosaic_gpu" not in lowered(planar, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("E,n_out,n_in,K,X", V41_SHAPES)
 def test_the_compiled_kernel_agrees_with_the_xla_spelling_on_the_gpu(E, n_out, n_in, K, X):
@@ -79,3 +103,9 @@ def test_the_compiled_kernel_agrees_with_the_xla_spelling_on_the_gpu(E, n_out, n
         got = np.asarray(jax.jit(lambda x, r, i, st=stages, sp=splits: q8_0_matvec(x, r, i, stages=st, splits=sp))(
             x, rows, idx))
         assert np.isfinite(got).all() and rel_error(got, want.astype(np.float64)) < 1e-5, (stages, splits)
+    # row-batched decode (jds41/block_step.py) vmaps the one-token products: each row keeps its own call's bits
+    one_call = jax.jit(lambda x: q8_0_matvec(x, rows, idx))
+    xs = jnp.stack([x, x * 0.5, -x])
+    batched = np.asarray(jax.jit(jax.vmap(one_call))(xs))
+    for r in range(3):
+        np.testing.assert_array_equal(batched[r], np.asarray(one_call(xs[r])))
