@@ -6,8 +6,9 @@ asked (quant/loop_stages.py), and whether it does so for the kernel's gathered l
 GPU backend, which JAX asks Triton-backend users to move to, states the pipeline instead: `plgpu.emit_pipeline`
 copies each step's tiles from HBM to shared memory with the Hopper TMA unit, `stages` steps in flight per CTA, and
 the warpgroup computes on a step while the next ones arrive. This is that kernel for planar Q8_0 rows, the format
-that is bound by bytes (V4.1's attention, shared expert and head: 60% of a layer's product bytes). Opt-in: nothing
-in the engine calls it yet; experiments/bench_kernels.py --mgpu times it against the Triton kernel and XLA.
+that is bound by bytes (V4.1's attention, shared expert and head: ~170 of a layer's ~230 MB of products). Opt-in: nothing
+in the engine calls it unless JDS41_MOSAIC_Q8=1; experiments/bench_kernels.py --mgpu times it against the Triton
+kernel and XLA.
 
 Owns `q8_0_matvec(x_XI, raw_EOR, idx_K, *, stages, splits, interpret) -> f32 [K, O]`, the contract of
 `triton_matvec.rows_matvec` for planar Q8_0 rows: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i], indices clamped.
@@ -18,11 +19,11 @@ split s of the row: a shape with few row tiles (V4.1's kv: 8 CTAs for 132 SMs) s
 Its pipeline walks the row in steps of NB = 8 blocks of 32; a step's tiles are the rows' 256 quant bytes, their 16
 scale bytes (planar rows hold every quant first, then every f16 scale: quant/planar.py) and x's 256 values. NB is
 fixed by the TMA unit: a tile spans at most 256 elements along a dimension, and its row at least 16 bytes. Per
-block: the [64, 32] int8 quants to f32 in WGMMA's layout, times x broadcast over the rows, summed over the 32
-columns (within a thread, then across the lanes that share a row), times the rows' f16 scale assembled from its
-two bytes, added to one f32 accumulator per row, block after block. That order is not the Triton kernel's, so
-the two agree to f32 rounding, not bitwise: an engine that used this kernel would use it for every product of
-those shapes, as it does the Triton kernel today.
+block: the [64, 32] int8 quants to f32 in WGMMA's layout (through 2^23's bits, no conversion instruction), times
+x broadcast over the rows, summed over the 32 columns (within a thread, then across the lanes that share a row),
+times the rows' f16 scale assembled from its two bytes, added to one f32 accumulator per row, block after block.
+That order is not the Triton kernel's, so the two agree to f32 rounding, not bitwise: an engine that uses this
+kernel (JDS41_MOSAIC_Q8=1, quant/qtensor.py) uses it for every dense Q8_0 product of those shapes.
 
 Pallas' GPU interpreter runs the kernel on the CPU (`interpret=True`: the tests, against a float64 re-derivation
 from gguf-py's dequantizer); there the loads take the refs as they are, since the interpreter has neither layouts
@@ -36,12 +37,16 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
 BO, NB = 64, 8  # rows a CTA (the WGMMA layout's height), blocks a step (a step reads 16 KB of quants, 1 KB of x)
 DEFAULT_STAGES = 4  # steps in flight a CTA (emit_pipeline's max_concurrent_steps)
 TARGET_CTAS = 2 * 132  # two CTAs for each of the H100's and H200's 132 SMs
+# int8 v to f32 as (2^23 + v + 128) - (2^23 + 128): v + 128 = byte ^ 0x80 ORed into 2^23's bits, exact, with integer
+# and float ops at full rate (an int-to-float conversion runs at a quarter of it); triton_matvec._dot_q8_0's trick
+_Q8_MAGIC, _Q8_OFFSET = np.uint32(0x4B000080), np.float32((1 << 23) + 128)
 
 
 def _plgpu():
@@ -68,7 +73,7 @@ def _kernel(idx_gmem, x_gmem, w_gmem, o_gmem, o_smem, *, n_in: int, n_out: int, 
     def step(_, q_smem, s_smem, x_smem, acc):
         for b in range(NB):
             q = load(q_smem.at[:, pl.ds(b * 32, 32)], plgpu.Layout.WGMMA)  # [64, 32] uint8
-            w = lax.bitcast_convert_type(q, jnp.int8).astype(jnp.float32)
+            w = lax.bitcast_convert_type(q.astype(jnp.uint32) ^ _Q8_MAGIC, jnp.float32) - _Q8_OFFSET
             x = load(x_smem.at[pl.ds(b * 32, 32)], col_layout)
             sums = jnp.sum(w * lax.broadcast_in_dim(x, (BO, 32), (1,)), axis=1)  # [64]
             lo = load(s_smem.at[:, 2 * b], row_layout).astype(jnp.uint32)
