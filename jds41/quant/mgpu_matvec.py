@@ -6,9 +6,9 @@ asked (quant/loop_stages.py), and whether it does so for the kernel's gathered l
 GPU backend, which JAX asks Triton-backend users to move to, states the pipeline instead: `plgpu.emit_pipeline`
 copies each step's tiles from HBM to shared memory with the Hopper TMA unit, `stages` steps in flight per CTA, and
 the warpgroup computes on a step while the next ones arrive. This is that kernel for planar Q8_0 rows, the format
-that is bound by bytes (V4.1's attention, shared expert and head: ~170 of a layer's ~230 MB of products). Opt-in: nothing
-in the engine calls it unless JDS41_MOSAIC_Q8=1; experiments/bench_kernels.py --mgpu times it against the Triton
-kernel and XLA.
+that is bound by bytes (V4.1's attention and shared expert: ~170 of a layer's ~230 MB of products). Opt-in:
+nothing in the engine calls it unless JDS41_MOSAIC_Q8=1; experiments/bench_kernels.py --mgpu times it against the
+Triton kernel and XLA.
 
 Owns `q8_0_matvec(x_XI, raw_EOR, idx_K, *, stages, splits, interpret) -> f32 [K, O]`, the contract of
 `triton_matvec.rows_matvec` for planar Q8_0 rows: y[k, o] = sum_i W[idx[k], o, i] x[k or 0, i], indices clamped.
