@@ -37,7 +37,7 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import BW, _commit, _machine, emit, kernel_ab  # noqa: E402  (sibling script, run as a file)
 
-from jds41.quant import row_bytes  # noqa: E402
+from jds41.quant import loop_stages, row_bytes  # noqa: E402
 from jds41.quant.int8_act import round_int8  # noqa: E402
 from jds41.quant.mgpu_matvec import default_splits as mgpu_splits  # noqa: E402
 from jds41.quant.mgpu_matvec import q8_0_matvec  # noqa: E402
@@ -195,6 +195,7 @@ def main(argv=None) -> int:
             if path == "mgpu":
                 staging.update(stages=stages, splits=mgpu_splits(K, n_out, n_in))
             elif stages is not None:
+                staging["stages_marked"] = loop_stages.active()  # False: this JAX's Pallas could not be wrapped
                 if stages == 0:
                     unstaged[(path, layout, tile)] = got
                 elif (path, layout, tile) in unstaged:

@@ -53,6 +53,7 @@ def test_bench_kernels_runs_each_kernel_path_at_each_loop_stage_and_the_mosaic_k
     kernel = [r for r in rows if r["path"] == "triton"]
     assert [r["stages"] for r in kernel] == [0, 3]
     assert "bits_equal_unstaged" not in kernel[0] and kernel[1]["bits_equal_unstaged"] is True
+    assert all(r["stages_marked"] is False for r in kernel)  # interpreted on the CPU: no Triton module to mark
     assert all("stages" not in r for r in rows if r["path"] == "xla") and rows[0]["loop_stages"] == {}
     [mosaic] = [r for r in rows if r["path"] == "mgpu"]
     assert mosaic["stages"] == 2 and "error" not in mosaic and mosaic["max_rel_diff_vs_xla"] < 1e-6
