@@ -105,6 +105,20 @@ def test_every_format_can_ask_for_stages_and_only_the_named_kernel_is_marked(mon
     assert found == {'"rows_matvec_q2_k_planar__ls4"': [4], '"rows_matvec_q8_0_planar"': [None]}
 
 
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K])
+def test_the_two_bit_staged_kernels_lower_for_cuda_with_their_loops_marked(monkeypatch, qtype):
+    _, _, rows = _stack_rows(qtype, E=2, n_out=16, n_in=512)
+    x, idx = jnp.ones((1, 512), jnp.float32), jnp.array([1], jnp.int32)
+
+    def both(x, r, i):  # the f32 kernel and the int8 numerics' kernel, each staged
+        return (rows_matvec(x, r, i, qtype, "planar", stages=3),
+                rows_matvec_int8(*round_int8(x), r, i, qtype, "planar", stages=3))
+
+    found = {m["name"]: m["loops"] for m in _triton_modules(monkeypatch, both, x, rows, idx)}
+    name = qtype.name.lower()
+    assert found == {f'"rows_matvec_{name}_planar__ls3"': [3], f'"rows_matvec_int8_{name}_planar__ls3"': [3]}
+
+
 @pytest.mark.parametrize("qtype,unstaged,staged", [
     (T.Q8_0, functools.partial(tm._load_q8_0, n_in=1024), tm._load_q8_0_staged),
     (T.IQ2_XXS, functools.partial(tm._load_iq2_xxs, planar=True, n_in=1024), tm._load_iq2_xxs_staged),
