@@ -18,15 +18,15 @@ from jds41.quant.qtensor import xla_rows_matvec
 from jds41.quant.random_blocks import random_quantized
 
 
-@pytest.mark.parametrize("x_rows,stages,splits", [(1, 1, 1), (3, 3, None)])
+@pytest.mark.parametrize("x_rows,stages,splits", [(1, 1, 1), (2, 3, None)])
 def test_the_interpreted_kernel_equals_a_float64_reference(x_rows, stages, splits):
     rng = np.random.default_rng(0)
-    raw = random_quantized(rng, T.Q8_0, (3, 128, 512))  # two CTAs of rows, two pipeline steps a row
-    idx = np.array([2, 0, 7], np.int32)  # 7 clamps to the stack
+    raw = random_quantized(rng, T.Q8_0, (2, 64, 512))  # one CTA of rows, two pipeline steps a row
+    idx = np.array([1, 7], np.int32)  # 7 clamps to the stack
     x = rng.standard_normal((x_rows, 512)).astype(np.float32)
     got = q8_0_matvec(jnp.asarray(x), jnp.asarray(to_planar(raw, T.Q8_0)), jnp.asarray(idx), stages=stages,
-                      splits=splits, interpret=True)  # None: the rule's 2 (6 CTAs a split, 2 steps a row)
-    assert got.shape == (3, 128) and got.dtype == jnp.float32
+                      splits=splits, interpret=True)  # None: the rule's 2 (2 CTAs a split, 2 steps a row)
+    assert got.shape == (2, 64) and got.dtype == jnp.float32
     assert rel_error(got, reference_rows_matvec(x, raw, idx, T.Q8_0)) < 1e-6
 
 
