@@ -518,7 +518,7 @@ def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: in
     sums is the same either way. With several parts (stacks of one shape read by one launch: a gate and an up
     product of one x) program column j takes part j // (O / BO), and the part's arithmetic is the one-part
     kernel's. With `load_first` the load takes the step's first block (a scalar) instead of its NB blocks (the
-    staged loads: `_load_q8_0_staged`)."""
+    staged loads: STAGED_LOADS)."""
     w_refs, extra, o_ref = rest[:parts], rest[parts:-1], rest[-1]
     k, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kx = k if x_per_row else jnp.int32(0)
