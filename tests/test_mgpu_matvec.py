@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from kernel_reference import reference_rows_matvec, rel_error
 
-from jds41.quant import QTensor, qmatvec, qtensor
+from jds41.quant import QTensor, qmatvec, qmatvec_experts, qtensor
 from jds41.quant.mgpu_matvec import TARGET_CTAS, default_splits, q8_0_matvec, supported
 from jds41.quant.planar import to_planar
 from jds41.quant.qtensor import xla_rows_matvec
@@ -66,7 +66,7 @@ def test_rows_it_cannot_take_are_refused_with_the_shape():
     assert not supported(64, 320)  # 320 inputs: not whole 256-value steps
 
 
-def test_the_switch_routes_dense_planar_q8_0_products_to_it_on_cuda_only(monkeypatch):
+def test_the_switch_routes_planar_q8_0_products_to_it_on_cuda_only(monkeypatch):
     rng = np.random.default_rng(1)
     raw = random_quantized(rng, T.Q8_0, (1, 128, 512))[0]
     planar = QTensor.from_raw(raw, T.Q8_0, (128, 512)).with_layout(jnp.asarray(to_planar(raw[None], T.Q8_0)[0]),
@@ -81,6 +81,11 @@ def test_the_switch_routes_dense_planar_q8_0_products_to_it_on_cuda_only(monkeyp
     monkeypatch.setattr(qtensor, "_MOSAIC_Q8", True)
     on = lowered(planar, "cuda")
     assert "mosaic_gpu" in on and "rows_matvec_q8_0_planar" not in on
+    stack = QTensor.from_raw(np.stack([raw, raw]), T.Q8_0, (2, 128, 512)).with_layout(
+        jnp.asarray(to_planar(np.stack([raw, raw]), T.Q8_0)), "planar")  # a stack read by index (o_a's groups)
+    experts = jax.jit(lambda x: qmatvec_experts(jnp.stack([x, -x]), stack, jnp.arange(2, dtype=jnp.int32))).trace(
+        x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in experts and "rows_matvec_q8_0_planar" not in experts
     assert "mosaic_gpu" not in lowered(odd, "cuda")  # the Triton kernel keeps the shapes it cannot take
     assert "mosaic_gpu" not in lowered(planar, "cpu")
     want = reference_rows_matvec(np.asarray(x)[None], raw[None], np.zeros(1, np.int32), T.Q8_0)[0]
