@@ -23,8 +23,9 @@
 #                                             # that no tile changed), ~3 min
 #   bash experiments/device_next.sh stages    # Triton's pipelining of the step loops (quant/loop_stages.py, added in
 #                                             # the thirty-second session, never run on a GPU): its GPU tests, the
-#                                             # engine's GPU tests with every format staged, then V4.1's Q8_0 and
-#                                             # two-bit products (f32 and int8 kernels) at stages 0/2/3/4, ~8 min
+#                                             # engine's GPU tests with every format staged, then V4.1's two-bit
+#                                             # products (f32 and int8 kernels) at stages 0/2/3/4, its Q8_0 ones at
+#                                             # 0/2/4, V4-Flash's MXFP4 experts if time allows, ~9 min
 #   bash experiments/device_next.sh mgpu      # the Mosaic GPU Q8_0 kernel (quant/mgpu_matvec.py, a TMA pipeline; built
 #                                             # in the thirty-second session, lowered on the CPU, never compiled):
 #                                             # its GPU tests, the engine's GPU tests with JDS41_MOSAIC_Q8=1, then
@@ -120,8 +121,13 @@ case "${1:-}" in
     }
     gpu_tests tests/test_loop_stages.py || exit 1
     JDS41_LOOP_STAGES=Q8_0=3,IQ2_XXS=3,Q2_K=3 gpu_tests tests/test_gpu_paths.py tests/test_triton_matvec.py || true
-    python3 experiments/bench_kernels.py --stages 0,2,3,4 \
-      --shapes "$Q8_SHAPES,v41-experts-gate-up,v41-experts-down" --out "$OUT/bench_kernels_stages.jsonl" ;;
+    python3 experiments/bench_kernels.py --stages 0,2,3,4 --shapes v41-experts-gate-up,v41-experts-down \
+      --out "$OUT/bench_kernels_stages.jsonl"  # the two-bit experts first: the larger share of a layer's time
+    python3 experiments/bench_kernels.py --stages 0,2,4 --shapes "$Q8_SHAPES" --out "$OUT/bench_kernels_stages.jsonl"
+    if (( SECONDS < 480 )); then  # V4-Flash's MXFP4 experts (planar rows: their loads are wide already)
+      python3 experiments/bench_kernels.py --stages 0,2,4 --shapes experts-gate-up,experts-down \
+        --out "$OUT/bench_kernels_stages.jsonl"
+    fi ;;
   mgpu)
     log=$(python3 -m pytest -q -m gpu -rf --tb=short tests/test_mgpu_matvec.py 2>&1 | tail -40)
     printf '%s\n' "$log" | tee "$OUT/gpu_tests_mgpu.txt"
