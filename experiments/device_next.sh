@@ -46,6 +46,9 @@
 #     Engram host call in the loop), same predictions expected
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
+# The tree that travels to it is limited to 64 MiB in all, and the small model's shards (checkpoints/
+# code-deepseek41-small*.gguf, ~67 MB, unused here) exceed it: move them out before a call and back after
+# (mkdir -p /tmp/ckpt_hold && mv checkpoints/code-deepseek41-small*.gguf /tmp/ckpt_hold/), as sessions 28-31 did.
 # Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
 # the command (JDS41_COMMIT=<sha> bash experiments/device_next.sh round), so the rows name it.
 set -euo pipefail
