@@ -14,7 +14,7 @@ kernel's Triton module and before it is serialized.
 How: a kernel asks for S stages by its name (`staged_name`: the suffix `__ls<S>`); `install()` wraps Pallas'
 `lower_jaxpr_to_triton_module` once per process, and the wrapper sets `tt.num_stages = S` on every `scf.for` of a
 module whose kernel name carries the suffix. The kernel's arithmetic is written as before, in the same order (the
-staged Q8_0 step loads its scale bytes in one wider load: `triton_matvec._load_q8_0_staged`); Triton still picks
+staged loads read the same fields in wider loads: `triton_matvec.STAGED_LOADS`); Triton still picks
 register layouts, and so the order of a reduction, per kernel, so tests/test_loop_stages.py checks the attribute in
 the lowered module on the CPU and the bits against the unstaged kernel on the GPU. Where this JAX has no such
 function to wrap, `install()` returns False and staged kernels run unstaged (their name still says what was asked;
@@ -45,14 +45,12 @@ def requested_stages(name: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def mark_loops(module, stages: int) -> int:
-    """Set `tt.num_stages = stages` (i32) on every `scf.for` in the MLIR `module` (a Triton module); returns how many
-    loops were marked."""
+def mark_loops(module, stages: int) -> None:
+    """Set `tt.num_stages = stages` (i32) on every `scf.for` in the MLIR `module` (a Triton module)."""
     from jax._src.lib.mlir import ir
 
     with module.context:
         attr = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), stages)
-        marked = 0
         pending = [module.operation]
         while pending:
             op = pending.pop()
@@ -62,9 +60,7 @@ def mark_loops(module, stages: int) -> int:
                         inner = inner.operation
                         if inner.name == "scf.for":
                             inner.attributes[_ATTR] = attr
-                            marked += 1
                         pending.append(inner)
-    return marked
 
 
 def install() -> bool:

@@ -243,12 +243,15 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     dp4a = _dp4a_plain if interpret else _dp4a_asm
     q_XI = jnp.asarray(q_XI, jnp.int8)
     x_in = None  # x as the step reads it: words of four values unless set
+    staged = None  # the load's staged form (quant/loop_stages.py), where it has one
     if qtype == T.IQ2_XXS:
         load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
+        staged = tm._load_iq2_xxs_staged
         dot = functools.partial(_dot_iq2_xxs_int8, dp4a=dp4a)
         extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
     elif qtype == T.Q8_0 and _Q8_0_FORM == "packs":
         load = functools.partial(tm._load_q8_0, n_in=n_in)  # the f32 kernel's load: bytes [BO, NB, 32], scales
+        staged = tm._load_q8_0_staged
         dot = functools.partial(_dot_q8_0_packs, dp4a_packs=_dp4a_packs_plain if interpret else _dp4a_packs_asm)
         extra, x_in = (jnp.asarray(d_XC, jnp.float32),), q_XI
     elif qtype == T.Q8_0:
@@ -256,15 +259,12 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
         dot = functools.partial(_dot_q8_0_words, dp4a=dp4a)
         extra = (jnp.asarray(d_XC, jnp.float32),)
     else:
-        load = functools.partial(_load_q2_k_words, n_in=n_in)
+        load, staged = functools.partial(_load_q2_k_words, n_in=n_in), _load_q2_k_words_staged
         dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a)
         extra = (jnp.asarray(d_XC, jnp.float32),)
         q_XI = q_XI if q_crumb_major else tm._crumb_major(q_XI)
     stages = tm.LOOP_STAGES.get(qtype, 0) if stages is None else stages
-    staged = None
-    if stages and layout == "planar":  # the staged form of each load above (the Q8_0 words form has none)
-        staged = {T.IQ2_XXS: tm._load_iq2_xxs_staged, T.Q2_K: _load_q2_k_words_staged}.get(qtype)
-        staged = tm._load_q8_0_staged if qtype == T.Q8_0 and _Q8_0_FORM == "packs" else staged
+    staged = staged if stages and layout == "planar" else None
     if staged is not None:
         load = functools.partial(staged, n_in=n_in, nb=nb)
     return tm.launch(_words(q_XI) if x_in is None else x_in, raw_EOR, idx_K, extra, load=load, dot=dot,
