@@ -31,6 +31,9 @@
 #                                             # its GPU tests, the engine's GPU tests with JDS41_MOSAIC_Q8=1, then
 #                                             # V4.1's Q8_0 shapes at 2/3/4/6 steps in flight beside XLA and the
 #                                             # Triton kernel, ~5 min
+#   bash experiments/device_next.sh products  # the first call of a short lease: the GPU tests of both, then the two-bit
+#                                             # experts at stages 0/3, the Q8_0 shapes through Mosaic at 2/4 (XLA and
+#                                             # Triton beside) and staged at 3, each part time-limited, ~9 min
 #   bash experiments/device_next.sh decode-ab # V4.1 int8 decode ABAB: the defaults against the environment in
 #                                             # AB_ON (e.g. AB_ON="JDS41_LOOP_STAGES=Q8_0=3,IQ2_XXS=3,Q2_K=3",
 #                                             # AB_ON=JDS41_MOSAIC_Q8=1, or AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false":
@@ -138,6 +141,20 @@ case "${1:-}" in
     log=$(JDS41_MOSAIC_Q8=1 python3 -m pytest -q -m gpu -rf --tb=line tests/test_gpu_paths.py 2>&1 | tail -25)
     printf '== tests/test_gpu_paths.py (JDS41_MOSAIC_Q8=1)\n%s\n' "$log" | tee -a "$OUT/gpu_tests_mgpu.txt"
     python3 experiments/bench_kernels.py --mgpu 2,3,4,6 --shapes "$Q8_SHAPES" --out "$OUT/bench_kernels_mgpu.jsonl" ;;
+  products)  # stages and mgpu in one call, each part under its own time limit, none stopping the rest
+    python3 -c 'import jax, jax.numpy as jnp; from jds41.quant import loop_stages
+print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stages.install())
+from jax.experimental.pallas import mosaic_gpu; print("mosaic_gpu ok")' 2>&1 | tail -5 | tee "$OUT/products_env.txt"
+    timeout 150 python3 -m pytest -q -m gpu -rf --tb=short tests/test_loop_stages.py tests/test_mgpu_matvec.py 2>&1 \
+      | tail -40 | tee "$OUT/gpu_tests_products.txt" || true
+    timeout 140 python3 experiments/bench_kernels.py --stages 0,3 --shapes v41-experts-gate-up,v41-experts-down \
+      --out "$OUT/bench_kernels_stages.jsonl" 2>&1 | tail -5 || true
+    timeout 130 python3 experiments/bench_kernels.py --mgpu 2,4 --shapes "$Q8_SHAPES" \
+      --out "$OUT/bench_kernels_mgpu.jsonl" 2>&1 | tail -5 || true
+    if (( SECONDS < 480 )); then
+      timeout $(( 575 - SECONDS )) python3 experiments/bench_kernels.py --stages 3 --shapes "$Q8_SHAPES" \
+        --out "$OUT/bench_kernels_stages.jsonl" 2>&1 | tail -5 || true
+    fi ;;
   decode-ab)
     read -r -a on <<<"${AB_ON:?set AB_ON to the environment assignments to A/B, e.g. JDS41_MOSAIC_Q8=1}"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
@@ -158,6 +175,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|mgpu|decode-ab|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|mgpu|products|decode-ab|v4" >&2
     exit 2 ;;
 esac
