@@ -39,7 +39,8 @@
 #                                             # AB_ON=JDS41_MOSAIC_Q8=1, or AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false":
 #                                             # recent XLA launches its own kernels with programmatic dependent
 #                                             # launch on Hopper by default, llama.cpp overlaps its ~1,100 kernels a
-#                                             # step that way), then one profile each while time allows, ~8 min
+#                                             # step that way); AB_ON2 adds a third arm; rounds while
+#                                             # time allows, then one profile an arm, ~8 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at 00bd37d: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -155,17 +156,24 @@ from jax.experimental.pallas import mosaic_gpu; print("mosaic_gpu ok")' 2>&1 | t
       timeout $(( 575 - SECONDS )) python3 experiments/bench_kernels.py --stages 3 --shapes "$Q8_SHAPES" \
         --out "$OUT/bench_kernels_stages.jsonl" 2>&1 | tail -5 || true
     fi ;;
-  decode-ab)
+  decode-ab)  # AB_ON: the arm's environment; AB_ON2 (optional): a third arm. Rounds of A B [C] while time allows.
     read -r -a on <<<"${AB_ON:?set AB_ON to the environment assignments to A/B, e.g. JDS41_MOSAIC_Q8=1}"
+    arms=("" "${AB_ON}")
+    [ -n "${AB_ON2:-}" ] && arms+=("${AB_ON2}")
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_ab_v41_4L.jsonl")
-    env "${on[@]}" python3 experiments/bench_decode.py "${common[@]}"  # the rows carry the switches and XLA_FLAGS
-    python3 experiments/bench_decode.py "${common[@]}"
-    env "${on[@]}" python3 experiments/bench_decode.py "${common[@]}"
-    python3 experiments/bench_decode.py "${common[@]}"
     prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8
           --out "$OUT/profile_decode_ab_v41_4L.jsonl")
-    if (( SECONDS < 420 )); then env "${on[@]}" python3 experiments/profile_decode.py "${prof[@]}"; fi
+    rounds=0
+    while (( rounds < 2 || SECONDS < ${AB_DECODE_UNTIL_S:-300} )); do  # the rows carry the switches and XLA_FLAGS
+      for arm in "${arms[@]}"; do read -r -a e <<<"$arm"; env "${e[@]}" python3 experiments/bench_decode.py "${common[@]}"; done
+      rounds=$((rounds + 1))
+    done
+    for arm in "${arms[@]}"; do  # one profile an arm, the switched ones first, while the call's time allows
+      (( SECONDS < 480 )) || break
+      [ -z "$arm" ] && continue
+      read -r -a e <<<"$arm"; env "${e[@]}" python3 experiments/profile_decode.py "${prof[@]}"
+    done
     if (( SECONDS < 500 )); then python3 experiments/profile_decode.py "${prof[@]}"; fi ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
