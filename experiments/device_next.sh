@@ -34,6 +34,10 @@
 #   bash experiments/device_next.sh products  # the first call of a short lease: the GPU tests of both, then the two-bit
 #                                             # experts at stages 0/3, the Q8_0 shapes through Mosaic at 2/4 (XLA and
 #                                             # Triton beside) and staged at 3, each part time-limited, ~9 min
+#   bash experiments/device_next.sh lease     # all in one call when machines are scarce: both forms' GPU tests, the
+#                                             # two-bit experts at stages 0/3, the three largest Q8_0 shapes at 0/3
+#                                             # and through Mosaic, then decode ABAB with the faster switches
+#                                             # (pick_switches.py) or else with XLA's PDL off, ~9.5 min
 #   bash experiments/device_next.sh decode-ab # V4.1 int8 decode ABAB: the defaults against the environment in
 #                                             # AB_ON (e.g. AB_ON="JDS41_LOOP_STAGES=Q8_0=3,IQ2_XXS=3,Q2_K=3",
 #                                             # AB_ON=JDS41_MOSAIC_Q8=1, or AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false":
@@ -156,6 +160,29 @@ from jax.experimental.pallas import mosaic_gpu; print("mosaic_gpu ok")' 2>&1 | t
       timeout $(( 575 - SECONDS )) python3 experiments/bench_kernels.py --stages 3 --shapes "$Q8_SHAPES" \
         --out "$OUT/bench_kernels_stages.jsonl" 2>&1 | tail -5 || true
     fi ;;
+  lease)  # one call for a short lease: both pipelined forms' GPU tests and products, then decode ABAB with the
+    # switches whose products were faster (experiments/pick_switches.py), or with XLA's PDL off if none was
+    python3 -c 'import jax; from jds41.quant import loop_stages
+print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stages.install())' 2>&1 | tail -3 \
+      | tee "$OUT/lease_env.txt"
+    timeout 120 python3 -m pytest -q -m gpu -rfE --tb=short tests/test_loop_stages.py tests/test_mgpu_matvec.py \
+      2>&1 | tail -40 | tee "$OUT/gpu_tests_lease.txt" || true
+    timeout 100 python3 experiments/bench_kernels.py --stages 0,3 --shapes v41-experts-gate-up,v41-experts-down \
+      --out "$OUT/bench_kernels_lease.jsonl" 2>&1 | tail -3 || true
+    timeout 110 python3 experiments/bench_kernels.py --stages 0,3 --mgpu 4 \
+      --shapes v41-attn-q-b,v41-attn-o-b,v41-attn-o-a --out "$OUT/bench_kernels_lease.jsonl" 2>&1 | tail -3 || true
+    AB_ON=$(python3 experiments/pick_switches.py "$OUT/bench_kernels_lease.jsonl" "$OUT/gpu_tests_lease.txt" \
+      2>&1 | tee "$OUT/lease_pick.txt" | tail -1)
+    [ -n "$AB_ON" ] || AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false"
+    echo "decode A/B: $AB_ON" | tee -a "$OUT/lease_pick.txt"
+    read -r -a on <<<"$AB_ON"
+    common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
+            --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_lease_v41_4L.jsonl")
+    while (( SECONDS < 480 )); do  # A B pairs; a run cut by the call's end leaves no row
+      timeout $(( 585 - SECONDS )) env "${on[@]}" python3 experiments/bench_decode.py "${common[@]}" || break
+      (( SECONDS < 510 )) || break
+      timeout $(( 585 - SECONDS )) python3 experiments/bench_decode.py "${common[@]}" || break
+    done ;;
   decode-ab)  # AB_ON: the arm's environment; AB_ON2 (optional): a third arm. Rounds of A B [C] while time allows.
     read -r -a on <<<"${AB_ON:?set AB_ON to the environment assignments to A/B, e.g. JDS41_MOSAIC_Q8=1}"
     arms=("" "${AB_ON}")
@@ -183,6 +210,6 @@ from jax.experimental.pallas import mosaic_gpu; print("mosaic_gpu ok")' 2>&1 | t
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|mgpu|products|decode-ab|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|mgpu|products|lease|decode-ab|v4" >&2
     exit 2 ;;
 esac
