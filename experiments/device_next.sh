@@ -178,10 +178,11 @@ print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stage
     read -r -a on <<<"$AB_ON"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_lease_v41_4L.jsonl")
-    while (( SECONDS < 480 )); do  # A B pairs; a run cut by the call's end leaves no row
-      timeout $(( 585 - SECONDS )) env "${on[@]}" python3 experiments/bench_decode.py "${common[@]}" || break
-      (( SECONDS < 510 )) || break
-      timeout $(( 585 - SECONDS )) python3 experiments/bench_decode.py "${common[@]}" || break
+    end=${LEASE_S:-585}  # the call's own limit (less where less device time is left)
+    while (( SECONDS < end - 105 )); do  # A B pairs; a run cut by the call's end leaves no row
+      timeout $(( end - SECONDS )) env "${on[@]}" python3 experiments/bench_decode.py "${common[@]}" || break
+      (( SECONDS < end - 75 )) || break
+      timeout $(( end - SECONDS )) python3 experiments/bench_decode.py "${common[@]}" || break
     done ;;
   decode-ab)  # AB_ON: the arm's environment; AB_ON2 (optional): a third arm. Rounds of A B [C] while time allows.
     read -r -a on <<<"${AB_ON:?set AB_ON to the environment assignments to A/B, e.g. JDS41_MOSAIC_Q8=1}"
