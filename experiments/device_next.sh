@@ -173,7 +173,9 @@ print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stage
       --shapes v41-attn-q-b,v41-attn-o-b,v41-attn-o-a --out "$OUT/bench_kernels_lease.jsonl" 2>&1 | tail -3 || true
     AB_ON=$(python3 experiments/pick_switches.py "$OUT/bench_kernels_lease.jsonl" "$OUT/gpu_tests_lease.txt" \
       2>&1 | tee "$OUT/lease_pick.txt" | tail -1)
-    [ -n "$AB_ON" ] || AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false"
+    if [ -z "$AB_ON" ] && XLA_FLAGS=--xla_gpu_enable_pdl=false python3 -c 'import jax.numpy as j; j.ones(2).sum()'; then
+      AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false"  # XLA stops a process at a flag it does not know: tried first
+    fi
     echo "decode A/B: $AB_ON" | tee -a "$OUT/lease_pick.txt"
     read -r -a on <<<"$AB_ON"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
