@@ -162,17 +162,19 @@ from jax.experimental.pallas import mosaic_gpu; print("mosaic_gpu ok")' 2>&1 | t
     fi ;;
   lease)  # one call for a short lease: both pipelined forms' GPU tests and products, then decode ABAB with the
     # switches whose products were faster (experiments/pick_switches.py), or with XLA's PDL off if none was
+    end=${LEASE_S:-585}  # the call's own limit (less where less device time is left); each part gets its share
+    upto() { local left=$(( end - SECONDS - 10 )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
     python3 -c 'import jax; from jds41.quant import loop_stages
 print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stages.install())' 2>&1 | tail -3 \
       | tee "$OUT/lease_env.txt"
-    timeout 120 python3 -m pytest -q -m gpu -rfE --tb=short tests/test_loop_stages.py tests/test_mgpu_matvec.py \
-      2>&1 | tail -40 | tee "$OUT/gpu_tests_lease.txt" || true
-    timeout 100 python3 experiments/bench_kernels.py --stages 0,3 --shapes v41-experts-gate-up,v41-experts-down \
-      --out "$OUT/bench_kernels_lease.jsonl" 2>&1 | tail -3 || true
-    timeout 110 python3 experiments/bench_kernels.py --stages 0,3 --mgpu 4 \
+    timeout "$(upto 110)" python3 -m pytest -q -m gpu -rfE --tb=short tests/test_loop_stages.py \
+      tests/test_mgpu_matvec.py 2>&1 | tail -40 | tee "$OUT/gpu_tests_lease.txt" || true
+    timeout "$(upto 110)" python3 experiments/bench_kernels.py --stages 0,3 --mgpu 4 \
       --shapes v41-attn-q-b,v41-attn-o-b,v41-attn-o-a --out "$OUT/bench_kernels_lease.jsonl" 2>&1 | tail -3 || true
+    timeout "$(upto 100)" python3 experiments/bench_kernels.py --stages 0,3 \
+      --shapes v41-experts-gate-up,v41-experts-down --out "$OUT/bench_kernels_lease.jsonl" 2>&1 | tail -3 || true
     AB_ON=$(python3 experiments/pick_switches.py "$OUT/bench_kernels_lease.jsonl" "$OUT/gpu_tests_lease.txt" \
-      2>&1 | tee "$OUT/lease_pick.txt" | tail -1)
+      | tee "$OUT/lease_pick.txt" | tail -1)
     if [ -z "$AB_ON" ] && XLA_FLAGS=--xla_gpu_enable_pdl=false python3 -c 'import jax.numpy as j; j.ones(2).sum()'; then
       AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false"  # XLA stops a process at a flag it does not know: tried first
     fi
@@ -180,7 +182,6 @@ print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stage
     read -r -a on <<<"$AB_ON"
     common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
             --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_lease_v41_4L.jsonl")
-    end=${LEASE_S:-585}  # the call's own limit (less where less device time is left)
     while (( SECONDS < end - 105 )); do  # A B pairs; a run cut by the call's end leaves no row
       timeout $(( end - SECONDS )) env "${on[@]}" python3 experiments/bench_decode.py "${common[@]}" || break
       (( SECONDS < end - 75 )) || break

@@ -80,3 +80,10 @@ def test_cli_prints_the_assignments_last(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("sys.argv", ["pick_switches.py", str(rows), str(tests)])
     assert pick_switches.main() == 0
     assert capsys.readouterr().out.splitlines()[-1] == "JDS41_LOOP_STAGES=IQ2_XXS=3,Q2_K=3 JDS41_MOSAIC_Q8=1"
+
+
+def test_cli_with_no_rows_written_earns_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["pick_switches.py", str(tmp_path / "none.jsonl"), str(tmp_path / "none.txt")])
+    assert pick_switches.main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "" and "loop_stages not passed" in out[-2]
