@@ -31,9 +31,6 @@
 #                                             # its GPU tests, the engine's GPU tests with JDS41_MOSAIC_Q8=1, then
 #                                             # V4.1's Q8_0 shapes at 2/3/4/6 steps in flight beside XLA and the
 #                                             # Triton kernel, ~5 min
-#   bash experiments/device_next.sh products  # the first call of a short lease: the GPU tests of both, then the two-bit
-#                                             # experts at stages 0/3, the Q8_0 shapes through Mosaic at 2/4 (XLA and
-#                                             # Triton beside) and staged at 3, each part time-limited, ~9 min
 #   bash experiments/device_next.sh lease     # all in one call when machines are scarce: both forms' GPU tests, the
 #                                             # two-bit experts at stages 0/3, the three largest Q8_0 shapes at 0/3
 #                                             # and through Mosaic, then decode ABAB with the faster switches
@@ -57,6 +54,7 @@
 # The tree that travels to it is limited to 64 MiB in all, and the small model's shards (checkpoints/
 # code-deepseek41-small*.gguf, ~67 MB, unused here) exceed it: move them out before a call and back after
 # (mkdir -p /tmp/ckpt_hold && mv checkpoints/code-deepseek41-small*.gguf /tmp/ckpt_hold/), as sessions 28-31 did.
+# While they are out, commit named paths only: `git commit -a` records them as deleted (it has, more than once).
 # Its copy of the tree has no .git: pass the commit, e.g. `JDS41_COMMIT=$(git rev-parse HEAD)` expanded here, in
 # the command (JDS41_COMMIT=<sha> bash experiments/device_next.sh round), so the rows name it.
 set -euo pipefail
@@ -146,20 +144,6 @@ case "${1:-}" in
     log=$(JDS41_MOSAIC_Q8=1 python3 -m pytest -q -m gpu -rf --tb=line tests/test_gpu_paths.py 2>&1 | tail -25)
     printf '== tests/test_gpu_paths.py (JDS41_MOSAIC_Q8=1)\n%s\n' "$log" | tee -a "$OUT/gpu_tests_mgpu.txt"
     python3 experiments/bench_kernels.py --mgpu 2,3,4,6 --shapes "$Q8_SHAPES" --out "$OUT/bench_kernels_mgpu.jsonl" ;;
-  products)  # stages and mgpu in one call, each part under its own time limit, none stopping the rest
-    python3 -c 'import jax, jax.numpy as jnp; from jds41.quant import loop_stages
-print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stages.install())
-from jax.experimental.pallas import mosaic_gpu; print("mosaic_gpu ok")' 2>&1 | tail -5 | tee "$OUT/products_env.txt"
-    timeout 150 python3 -m pytest -q -m gpu -rf --tb=short tests/test_loop_stages.py tests/test_mgpu_matvec.py 2>&1 \
-      | tail -40 | tee "$OUT/gpu_tests_products.txt" || true
-    timeout 140 python3 experiments/bench_kernels.py --stages 0,3 --shapes v41-experts-gate-up,v41-experts-down \
-      --out "$OUT/bench_kernels_stages.jsonl" 2>&1 | tail -5 || true
-    timeout 130 python3 experiments/bench_kernels.py --mgpu 2,4 --shapes "$Q8_SHAPES" \
-      --out "$OUT/bench_kernels_mgpu.jsonl" 2>&1 | tail -5 || true
-    if (( SECONDS < 480 )); then
-      timeout $(( 575 - SECONDS )) python3 experiments/bench_kernels.py --stages 3 --shapes "$Q8_SHAPES" \
-        --out "$OUT/bench_kernels_stages.jsonl" 2>&1 | tail -5 || true
-    fi ;;
   lease)  # one call for a short lease: both pipelined forms' GPU tests and products, then decode ABAB with the
     # switches whose products were faster (experiments/pick_switches.py), or with XLA's PDL off if none was
     end=${LEASE_S:-585}  # the call's own limit (less where less device time is left); each part gets its share
@@ -214,6 +198,6 @@ print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stage
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|mgpu|products|lease|decode-ab|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|mgpu|lease|decode-ab|v4" >&2
     exit 2 ;;
 esac
