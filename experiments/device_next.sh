@@ -63,6 +63,10 @@ export PYTHONPATH=/tmp/site:.
 export JDS41_COMMIT=${JDS41_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 OUT=${OUT:?set OUT to the folder the rows go to}
 Q8_SHAPES=v41-attn-q-a,v41-attn-kv,v41-attn-q-b,v41-attn-o-a,v41-attn-o-b,v41-shexp-gate-up,v41-shexp-down,v41-head
+# V4.1 int8 decode at 4 layers, as every decode case runs it (the A/B pairs and the profiles); each adds its --out
+V41_DECODE=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128 --usage-tokens 128
+            --prefill-budget-s 5 --numerics int8)
+V41_PROFILE=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8)
 
 case "${1:-}" in
   kernels)
@@ -95,13 +99,11 @@ case "${1:-}" in
       passes tests/test_attention_kernel.py && (export JDS41_ATTN_KERNEL=1; passes tests/test_gpu_paths.py) \
         && on+=(JDS41_ATTN_KERNEL=1)
     fi
-    prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8
-          --out "$OUT/profile_decode_round_v41_4L_h200.jsonl")
+    prof=("${V41_PROFILE[@]}" --out "$OUT/profile_decode_round_v41_4L_h200.jsonl")
     "${on[@]}" python3 experiments/profile_decode.py "${prof[@]}"  # the kernel-level A/B: on, off, Q8_0 rounded too
     "${off[@]}" python3 experiments/profile_decode.py "${prof[@]}"
     "${on[@]}" JDS41_INT8_Q8_0=1 python3 experiments/profile_decode.py "${prof[@]}"
-    common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
-            --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_round_v41_4L_h200.jsonl")
+    common=("${V41_DECODE[@]}" --out "$OUT/bench_decode_round_v41_4L_h200.jsonl")
     while true; do  # decode ABAB: one pair, then more while the call's time allows
       "${on[@]}" python3 experiments/bench_decode.py "${common[@]}"
       "${off[@]}" python3 experiments/bench_decode.py "${common[@]}"
@@ -116,8 +118,7 @@ case "${1:-}" in
       python3 experiments/bench_attention.py --reps 1 --keys 136 --tiles 16:32:128:4:4 >"$OUT/ncu_attention.txt" 2>&1
     tail -60 "$OUT/ncu_attention.txt" ;;
   determinism)
-    common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
-            --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_determinism_v41_4L_h200.jsonl")
+    common=("${V41_DECODE[@]}" --out "$OUT/bench_decode_determinism_v41_4L_h200.jsonl")
     python3 experiments/bench_decode.py "${common[@]}"
     python3 experiments/bench_decode.py "${common[@]}"
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=4" python3 experiments/bench_decode.py "${common[@]}" ;;
@@ -164,8 +165,7 @@ print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stage
     fi
     echo "decode A/B: $AB_ON" | tee -a "$OUT/lease_pick.txt"
     read -r -a on <<<"$AB_ON"
-    common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
-            --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_lease_v41_4L.jsonl")
+    common=("${V41_DECODE[@]}" --out "$OUT/bench_decode_lease_v41_4L.jsonl")
     while (( SECONDS < end - 105 )); do  # A B pairs; a run cut by the call's end leaves no row
       timeout $(( end - SECONDS )) env "${on[@]}" python3 experiments/bench_decode.py "${common[@]}" || break
       (( SECONDS < end - 75 )) || break
@@ -175,13 +175,13 @@ print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stage
     read -r -a on <<<"${AB_ON:?set AB_ON to the environment assignments to A/B, e.g. JDS41_MOSAIC_Q8=1}"
     arms=("" "${AB_ON}")
     [ -n "${AB_ON2:-}" ] && arms+=("${AB_ON2}")
-    common=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128
-            --usage-tokens 128 --prefill-budget-s 5 --numerics int8 --out "$OUT/bench_decode_ab_v41_4L.jsonl")
-    prof=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8
-          --out "$OUT/profile_decode_ab_v41_4L.jsonl")
+    common=("${V41_DECODE[@]}" --out "$OUT/bench_decode_ab_v41_4L.jsonl")
+    prof=("${V41_PROFILE[@]}" --out "$OUT/profile_decode_ab_v41_4L.jsonl")
     rounds=0
     while (( rounds < 2 || SECONDS < ${AB_DECODE_UNTIL_S:-300} )); do  # the rows carry the switches and XLA_FLAGS
-      for arm in "${arms[@]}"; do read -r -a e <<<"$arm"; env "${e[@]}" python3 experiments/bench_decode.py "${common[@]}"; done
+      for arm in "${arms[@]}"; do
+        read -r -a e <<<"$arm"; env "${e[@]}" python3 experiments/bench_decode.py "${common[@]}"
+      done
       rounds=$((rounds + 1))
     done
     for arm in "${arms[@]}"; do  # one profile an arm, the switched ones first, while the call's time allows
