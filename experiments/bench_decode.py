@@ -110,8 +110,7 @@ def kernel_ab() -> dict:
     JDS41_INT8_Q8_0_FORM: quant/int8_act.py, quant/triton_int8.py), whether its rounding is one Triton launch
     (JDS41_INT8_ROUND_KERNEL: quant/int8_round_kernel.py), whether a gate and an up product share a launch
     (JDS41_SHARED_LAUNCH: quant/qtensor.py), whether the router's top-K is the Triton program (JDS41_TOPK_KERNEL:
-    layers/topk_kernel.py), whether attention is (JDS41_ATTN_KERNEL: layers/attention_kernel.py), and the formats
-    whose step loops Triton pipelines (JDS41_LOOP_STAGES: quant/loop_stages.py)."""
+    layers/topk_kernel.py) and whether attention is (JDS41_ATTN_KERNEL: layers/attention_kernel.py)."""
     from gguf import GGMLQuantizationType as T
 
     from jds41.layers import attention_kernel, topk_kernel
@@ -122,8 +121,7 @@ def kernel_ab() -> dict:
             "measured_tiles": len(triton_matvec.MEASURED_TILES), "planar_q2k": planar.regrouped(T.Q2_K),
             "int8_types": sorted(t.name for t in int8_act.INT8_TYPES), "int8_q8_0_form": triton_int8._Q8_0_FORM,
             "int8_round_kernel": int8_round_kernel.ENABLED, "shared_launch": qtensor._SHARED_LAUNCH,
-            "topk_kernel": topk_kernel.ENABLED, "attn_kernel": attention_kernel.ENABLED,
-            "loop_stages": {t.name: v for t, v in triton_matvec.LOOP_STAGES.items()}}
+            "topk_kernel": topk_kernel.ENABLED, "attn_kernel": attention_kernel.ENABLED}
 
 
 def _machine() -> str:

@@ -5,7 +5,7 @@ over GGML rows. One JSON line per (shape, path, tile). Issue #5, item 4: the
 routed-expert product read MXFP4 at 7% of HBM bandwidth through XLA (experiments/README.md, step parts).
 
     python experiments/bench_kernels.py [--reps 50] [--tiles [--warps 4,8] [--splits 1,4] [--rows 8,16]
-        [--blocks 8,16]] [--stages 0,2,3,4] [--mgpu 2,4,6] [--shapes a,b] [--out FILE]
+        [--blocks 8,16]] [--shapes a,b] [--out FILE]
 
 Each timed call runs `--reps` products in one jitted `fori_loop`, the expert indices moving on every iteration so
 the rows come from HBM, not from the 60 MB L2 (one call reads 27 MB; 50 calls walk 300 experts of the 1.1 GB
@@ -14,12 +14,7 @@ stack). Each row also has the loop's own cost a call without a product ("loop_us
 `--warps` counts and the `--splits` of a row; `--rows` and `--blocks` narrow the first two) on every shape but
 "dense". The two-bit formats also run the "int8" numerics' dp4a kernel (path "int8", quant/triton_int8.py,
 x rounded in the call), whose distance from XLA is the rounding's (its tiles swept with the f32 kernel's).
-`--stages` runs every kernel path (f32 and int8) at each of those loop pipeline stages (quant/loop_stages.py; 0:
-none, the default kernel) and says whether each staged product has the bits of the same tile unstaged
-("bits_equal_unstaged": the arithmetic is written the same; Triton's register layouts may still differ). CPU runs
-check the code path only (the kernel then runs in Pallas' interpreter on a shrunk shape). `--mgpu` also runs the
-Mosaic GPU Q8_0 kernel (path "mgpu", quant/mgpu_matvec.py: a TMA pipeline) on the Q8_0 shapes at each of those
-pipeline depths.
+CPU runs check the code path only (the kernel then runs in Pallas' interpreter on a shrunk shape).
 """
 
 from __future__ import annotations
@@ -37,11 +32,8 @@ from gguf import GGMLQuantizationType as T
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import BW, _commit, _machine, emit, kernel_ab  # noqa: E402  (sibling script, run as a file)
 
-from jds41.quant import loop_stages, row_bytes  # noqa: E402
+from jds41.quant import row_bytes  # noqa: E402
 from jds41.quant.int8_act import round_int8  # noqa: E402
-from jds41.quant.mgpu_matvec import default_splits as mgpu_splits  # noqa: E402
-from jds41.quant.mgpu_matvec import q8_0_matvec  # noqa: E402
-from jds41.quant.mgpu_matvec import supported as mgpu_supported  # noqa: E402
 from jds41.quant.planar import PLANAR_TYPES, to_planar  # noqa: E402
 from jds41.quant.qtensor import xla_rows_matvec  # noqa: E402
 from jds41.quant.random_blocks import random_quantized  # noqa: E402
@@ -114,11 +106,6 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="1", help="comma-separated row splits the --tiles sweep tries")
     ap.add_argument("--rows", default=None, help="comma-separated rows per program the --tiles sweep keeps (all)")
     ap.add_argument("--blocks", default=None, help="comma-separated blocks per step the --tiles sweep keeps (all)")
-    ap.add_argument("--stages", default=None,
-                    help="comma-separated loop pipeline stages each f32 kernel path runs at (0: none; default: the "
-                         "format's JDS41_LOOP_STAGES)")
-    ap.add_argument("--mgpu", default=None,
-                    help="comma-separated pipeline depths the Mosaic GPU Q8_0 kernel runs at (Q8_0 shapes only)")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -136,7 +123,7 @@ def main(argv=None) -> int:
         if not gpu:  # the interpreter is slow: a small stack of the same kind checks the path
             E, n_out, n_in = min(E, 4), 64, 512
         if not gpu and qtype == T.Q8_0:
-            n_out = 64 if a.mgpu else 32  # one 64-row CTA of the Mosaic kernel
+            n_out = 32
         ggml = _stack(rng, qtype, E, n_out, n_in)
         rows = {"ggml": ggml}
         if qtype in PLANAR_TYPES:
@@ -167,48 +154,30 @@ def main(argv=None) -> int:
                       and (*t, int(w), int(sp)) != default_tile(qtype, K, n_out, n_in)]
             paths += [("int8", "planar", t) for p, lay_, t in paths if p == "triton" and t is not None
                       and int8_supported(qtype, 0, "planar")]
-        stage_list = [int(v) for v in a.stages.split(",")] if a.stages else [None]
-        paths = [(p, lay, t, st) for p, lay, t in paths for st in (stage_list if p != "xla" else [None])]
-        if a.mgpu and qtype == T.Q8_0 and mgpu_supported(n_out, n_in):
-            paths += [("mgpu", "planar", None, int(st)) for st in a.mgpu.split(",")]
-        unstaged = {}  # (path, layout, tile) -> the product at stages 0, for the bit check of staged ones
-        for path, layout, tile, stages in paths:
+        for path, layout, tile in paths:
             if path == "xla":
                 product = lambda x, r, i, q=qtype, lay=layout: xla_rows_matvec(x, r, i, q, lay)
-            elif path == "mgpu":
-                product = lambda x, r, i, st=stages: q8_0_matvec(x, r, i, stages=st, interpret=not gpu)  # noqa: E731
             elif path == "int8":  # x rounded in the call (quant/int8_act.py): the gap to xla is the rounding's
-                product = lambda x, r, i, q=qtype, lay=layout, t=tile, st=stages: rows_matvec_int8(
-                    *round_int8(x), r, i, q, lay, interpret=not gpu, tile=t, stages=st)
+                product = lambda x, r, i, q=qtype, lay=layout, t=tile: rows_matvec_int8(
+                    *round_int8(x), r, i, q, lay, interpret=not gpu, tile=t)
             else:
-                product = lambda x, r, i, q=qtype, lay=layout, t=tile, st=stages: rows_matvec(
-                    x, r, i, q, layout=lay, interpret=not gpu, tile=t, stages=st)
+                product = lambda x, r, i, q=qtype, lay=layout, t=tile: rows_matvec(x, r, i, q, layout=lay,
+                                                                                 interpret=not gpu, tile=t)
             raw = rows[layout]
             try:
                 got = np.asarray(jax.jit(product)(x, raw, idx0))
                 s = _seconds(_loop(product, a.reps, E, K), x, raw, idx0) / a.reps
             except Exception as e:  # a tile Triton cannot compile: report it and go on
-                emit({**common, **shape, "path": path, "layout": layout, "tile": tile, "stages": stages,
+                emit({**common, **shape, "path": path, "layout": layout, "tile": tile,
                       "error": f"{type(e).__name__}: {e}"[:400]}, a.out)
                 continue
-            staging = {}
-            if path == "mgpu":
-                staging.update(stages=stages, splits=mgpu_splits(K, n_out, n_in))
-            elif stages is not None:
-                staging["stages_marked"] = loop_stages.active()  # False: this JAX's Pallas could not be wrapped
-                if stages == 0:
-                    unstaged[(path, layout, tile)] = got
-                elif (path, layout, tile) in unstaged:
-                    staging["bits_equal_unstaged"] = bool(np.array_equal(got, unstaged[(path, layout, tile)]))
-                staging["stages"] = stages
-            tile = tile or (default_tile(qtype, K, n_out, n_in) if path in ("triton", "int8") else None)
+            tile = tile or (default_tile(qtype, K, n_out, n_in) if path != "xla" else None)
             net = max(s - loop_s, 1e-9)
             emit({**common, **shape, "path": path, "layout": layout, "tile": tile, "us": round(s * 1e6, 2),
                   "gb_per_s": round(nbytes / s / 1e9, 1), "hbm_share": round(nbytes / s / BW["hbm"], 4),
                   "loop_us": round(loop_s * 1e6, 2), "net_us": round(net * 1e6, 2),
                   "net_gb_per_s": round(nbytes / net / 1e9, 1),
-                  "max_rel_diff_vs_xla": float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)),
-                  **staging}, a.out)
+                  "max_rel_diff_vs_xla": float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))}, a.out)
     return 0
 
 

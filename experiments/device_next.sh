@@ -21,23 +21,12 @@
 #                                             # and one attend_combine call at 136 keys (alone they took 93-359 us over
 #                                             # six tiles on an H100 at 451c1c4 where XLA took 12-23: a fixed ~80 us
 #                                             # that no tile changed), ~3 min
-#   bash experiments/device_next.sh stages    # Triton's pipelining of the step loops (quant/loop_stages.py, added in
-#                                             # the thirty-second session, never run on a GPU): its GPU tests, the
-#                                             # engine's GPU tests with every format staged, then V4.1's two-bit
-#                                             # products (f32 and int8 kernels) at stages 0/2/3/4, its Q8_0 ones at
-#                                             # 0/2/4, V4-Flash's MXFP4 experts if time allows, ~9 min
-#   bash experiments/device_next.sh mgpu      # the Mosaic GPU Q8_0 kernel (quant/mgpu_matvec.py, a TMA pipeline; built
-#                                             # in the thirty-second session, lowered on the CPU, never compiled):
-#                                             # its GPU tests, the engine's GPU tests with JDS41_MOSAIC_Q8=1, then
-#                                             # V4.1's Q8_0 shapes at 2/3/4/6 steps in flight beside XLA and the
-#                                             # Triton kernel, ~5 min
-#   bash experiments/device_next.sh lease     # all in one call when machines are scarce: both forms' GPU tests, the
-#                                             # two-bit experts at stages 0/3, the three largest Q8_0 shapes at 0/3
-#                                             # and through Mosaic, then decode ABAB with the faster switches
-#                                             # (pick_switches.py) or else with XLA's PDL off, ~9.5 min
+#   bash experiments/device_next.sh cmdbuf    # V4.1 int8 decode ABAB (decode-ab): XLA's default command buffer types
+#                                             # against the same plus WHILE and CONDITIONAL (the device loop's
+#                                             # predicate stays on the GPU) and against none, ~9 min
 #   bash experiments/device_next.sh decode-ab # V4.1 int8 decode ABAB: the defaults against the environment in
-#                                             # AB_ON (e.g. AB_ON="JDS41_LOOP_STAGES=Q8_0=3,IQ2_XXS=3,Q2_K=3",
-#                                             # AB_ON=JDS41_MOSAIC_Q8=1, or AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false":
+#                                             # AB_ON (e.g. AB_ON="JDS41_ATTN_KERNEL=1", or
+#                                             # AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false":
 #                                             # recent XLA launches its own kernels with programmatic dependent
 #                                             # launch on Hopper by default, llama.cpp overlaps its ~1,100 kernels a
 #                                             # step that way); AB_ON2 adds a third arm; rounds while
@@ -122,55 +111,18 @@ case "${1:-}" in
     python3 experiments/bench_decode.py "${common[@]}"
     python3 experiments/bench_decode.py "${common[@]}"
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=4" python3 experiments/bench_decode.py "${common[@]}" ;;
-  stages)
-    gpu_tests() {  # the GPU tests of these files pass (their summary and first failures go into the record)
-      local log
-      log=$(python3 -m pytest -q -m gpu -rf --tb=line "$@" 2>&1 | tail -25)
-      printf '== %s (JDS41_LOOP_STAGES=%s)\n%s\n' "$*" "${JDS41_LOOP_STAGES:-}" "$log" | tee -a "$OUT/gpu_tests_stages.txt"
-      grep -q "passed" <<<"$log" && ! grep -qE "[0-9]+ (failed|error)" <<<"$log"
-    }
-    gpu_tests tests/test_loop_stages.py || exit 1
-    JDS41_LOOP_STAGES=Q8_0=3,IQ2_XXS=3,Q2_K=3 gpu_tests tests/test_gpu_paths.py tests/test_triton_matvec.py || true
-    python3 experiments/bench_kernels.py --stages 0,2,3,4 --shapes v41-experts-gate-up,v41-experts-down \
-      --out "$OUT/bench_kernels_stages.jsonl"  # the two-bit experts first: the larger share of a layer's time
-    python3 experiments/bench_kernels.py --stages 0,2,4 --shapes "$Q8_SHAPES" --out "$OUT/bench_kernels_stages.jsonl"
-    if (( SECONDS < 480 )); then  # V4-Flash's MXFP4 experts (planar rows: their loads are wide already)
-      python3 experiments/bench_kernels.py --stages 0,2,4 --shapes experts-gate-up,experts-down \
-        --out "$OUT/bench_kernels_stages.jsonl"
-    fi ;;
-  mgpu)
-    log=$(python3 -m pytest -q -m gpu -rf --tb=short tests/test_mgpu_matvec.py 2>&1 | tail -40)
-    printf '%s\n' "$log" | tee "$OUT/gpu_tests_mgpu.txt"
-    grep -q "passed" <<<"$log" || exit 1  # a failing shape is in the record; the timing still runs for the others
-    log=$(JDS41_MOSAIC_Q8=1 python3 -m pytest -q -m gpu -rf --tb=line tests/test_gpu_paths.py 2>&1 | tail -25)
-    printf '== tests/test_gpu_paths.py (JDS41_MOSAIC_Q8=1)\n%s\n' "$log" | tee -a "$OUT/gpu_tests_mgpu.txt"
-    python3 experiments/bench_kernels.py --mgpu 2,3,4,6 --shapes "$Q8_SHAPES" --out "$OUT/bench_kernels_mgpu.jsonl" ;;
-  lease)  # one call for a short lease: both pipelined forms' GPU tests and products, then decode ABAB with the
-    # switches whose products were faster (experiments/pick_switches.py), or with XLA's PDL off if none was
-    end=${LEASE_S:-585}  # the call's own limit (less where less device time is left); each part gets its share
-    upto() { local left=$(( end - SECONDS - 10 )); echo $(( left < $1 ? (left > 1 ? left : 1) : $1 )); }
-    python3 -c 'import jax; from jds41.quant import loop_stages
-print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stages.install())' 2>&1 | tail -3 \
-      | tee "$OUT/lease_env.txt"
-    timeout "$(upto 110)" python3 -m pytest -q -m gpu -rfE --tb=short tests/test_loop_stages.py \
-      tests/test_mgpu_matvec.py 2>&1 | tail -40 | tee "$OUT/gpu_tests_lease.txt" || true
-    timeout "$(upto 110)" python3 experiments/bench_kernels.py --stages 0,3 --mgpu 4 \
-      --shapes v41-attn-q-b,v41-attn-o-b,v41-attn-o-a --out "$OUT/bench_kernels_lease.jsonl" 2>&1 | tail -3 || true
-    timeout "$(upto 100)" python3 experiments/bench_kernels.py --stages 0,3 \
-      --shapes v41-experts-gate-up,v41-experts-down --out "$OUT/bench_kernels_lease.jsonl" 2>&1 | tail -3 || true
-    AB_ON=$(python3 experiments/pick_switches.py "$OUT/bench_kernels_lease.jsonl" "$OUT/gpu_tests_lease.txt" \
-      | tee "$OUT/lease_pick.txt" | tail -1)
-    if [ -z "$AB_ON" ] && XLA_FLAGS=--xla_gpu_enable_pdl=false python3 -c 'import jax.numpy as j; j.ones(2).sum()'; then
-      AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false"  # XLA stops a process at a flag it does not know: tried first
-    fi
-    echo "decode A/B: $AB_ON" | tee -a "$OUT/lease_pick.txt"
-    read -r -a on <<<"$AB_ON"
-    common=("${V41_DECODE[@]}" --out "$OUT/bench_decode_lease_v41_4L.jsonl")
-    while (( SECONDS < end - 105 )); do  # A B pairs; a run cut by the call's end leaves no row
-      timeout $(( end - SECONDS )) env "${on[@]}" python3 experiments/bench_decode.py "${common[@]}" || break
-      (( SECONDS < end - 75 )) || break
-      timeout $(( end - SECONDS )) python3 experiments/bench_decode.py "${common[@]}" || break
-    done ;;
+  cmdbuf)  # decode ABAB: XLA's default command buffers against the same with WHILE and CONDITIONAL added (the
+    # device loop as CUDA graph nodes rather than a host copy of its predicate a step) and against none; each arm only
+    # where this XLA accepts its flag (XLA stops a process at a value it does not know)
+    cb="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
+    accepts() { env "$1" python3 -c 'import jax.numpy as j; j.ones(2).sum()' >/dev/null 2>&1; }
+    arms=()
+    for arm in "XLA_FLAGS=$cb,WHILE,CONDITIONAL" "XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
+      accepts "$arm" && arms+=("$arm")
+    done
+    printf 'arms: %s\n' "${arms[@]}" | tee "$OUT/cmdbuf_arms.txt"
+    (( ${#arms[@]} )) || exit 1
+    AB_ON="${arms[0]}" AB_ON2="${arms[1]:-}" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-280} bash "$0" decode-ab ;;
   decode-ab)  # AB_ON: the arm's environment; AB_ON2 (optional): a third arm. Rounds of A B [C] while time allows.
     read -r -a on <<<"${AB_ON:?set AB_ON to the environment assignments to A/B, e.g. JDS41_MOSAIC_Q8=1}"
     arms=("" "${AB_ON}")
@@ -198,6 +150,6 @@ print("jax", jax.__version__, jax.devices(), "loop_stages.install()", loop_stage
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|stages|mgpu|lease|decode-ab|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|v4" >&2
     exit 2 ;;
 esac

@@ -22,8 +22,6 @@ On CUDA the one-token products (`qmatvec`, `qmatvec_experts`) of the formats and
 (MXFP4, planar Q8_0, IQ2_XXS, Q2_K: jds41/quant/triton_matvec.py) are that kernel instead (`rows_matvec`: XLA read
 them at 4-20% of HBM bandwidth there); `xla_rows_matvec` is their XLA spelling, what every other platform runs and
 the kernel is tested against. A tensor's `layout` says how its rows hold the blocks (quant/planar.py).
-`JDS41_MOSAIC_Q8=1` (read at import; opt-in, for A/B runs) computes the one-token planar Q8_0 products on CUDA with
-the Mosaic GPU kernel of quant/mgpu_matvec.py (a TMA pipeline) instead, where it takes their shape.
 
 Only `qmatmul` with several tokens and `qmatmul_expert` (one expert of a stack for a tile of rows, the grouped prompt
 pass of jds41/layers/grouped_experts.py) dequantize to an f32 copy and call `dot`: the copy is shared by the rows.
@@ -57,7 +55,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from jax import lax
 
-from jds41.quant import int8_round_kernel, mgpu_matvec, planar, triton_int8, triton_matvec
+from jds41.quant import int8_round_kernel, planar, triton_int8, triton_matvec
 from jds41.quant.blocks import (
     FLOAT_TYPES,
     NATIVE_DTYPES,
@@ -284,24 +282,7 @@ def qmatvec_parts(x_in: jax.Array, ws: tuple[QTensor, ...]) -> tuple[jax.Array, 
     if not _kernel_applies(w):
         return tuple(xla(x_in, v.data) for v in ws)
     default = lambda x, raw, _idx: _each(raw, lambda r: xla(x[0], r[0])[None])  # noqa: E731
-    return tuple(y[0] for y in _as_tuple(rows_matvec(x_in[None], raws, one, w.qtype, w.layout, default=default,
-                                                     mosaic=_mosaic_applies(w))))
-
-
-# JDS41_MOSAIC_Q8=1 (read at import; opt-in until timed on a GPU): planar Q8_0 one-token products on CUDA by the
-# Mosaic GPU kernel (quant/mgpu_matvec.py), each stack its own launch. Its row splits are a function of K and the
-# shape, so a product whose K varies by path (a tier's share of the routed experts) takes the splits of `tile_k`, as
-# the Triton kernel takes its tile.
-_MOSAIC_Q8 = os.environ.get("JDS41_MOSAIC_Q8", "0") == "1"
-
-
-def _mosaic_applies(w: QTensor) -> bool:
-    """The one-token product of `w` goes through the Mosaic GPU kernel on CUDA: switched on, planar Q8_0 read as is,
-    a shape the kernel takes, and the Triton kernels compiled (not Pallas' interpreter: there the Triton kernel keeps
-    the CPU tests' reference)."""
-    return (_MOSAIC_Q8 and not triton_matvec.INTERPRET and w.qtype == GGMLQuantizationType.Q8_0
-            and w.layout == "planar" and w.act_round in (None, "int8")
-            and mgpu_matvec.supported(w.data.shape[-2], w.n_cols))
+    return tuple(y[0] for y in _as_tuple(rows_matvec(x_in[None], raws, one, w.qtype, w.layout, default=default)))
 
 
 # One launch for a gate and an up product of one x (on by default since its first GPU run passed its bit tests: a
@@ -407,8 +388,7 @@ def qmatvec_experts_parts(x: jax.Array, w_stacks: tuple[QTensor, ...], expert_id
     x_XI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
     if not _kernel_applies(w_stack):
         return tuple(xla_rows_matvec(x_XI, jnp.asarray(w.data), expert_idx_K, w.qtype, layout) for w in w_stacks)
-    return _as_tuple(rows_matvec(x_XI, raws, expert_idx_K, w_stack.qtype, layout, tile=tile(),
-                                 mosaic=_mosaic_applies(w_stack), mosaic_k=tile_k))
+    return _as_tuple(rows_matvec(x_XI, raws, expert_idx_K, w_stack.qtype, layout, tile=tile()))
 
 
 def xla_rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml") -> jax.Array:
@@ -420,24 +400,14 @@ def xla_rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype
 
 
 def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml",
-                default=None, tile: tuple[int, int, int] | None = None, mosaic: bool = False,
-                mosaic_k: int | None = None) -> jax.Array:
+                default=None, tile: tuple[int, int, int] | None = None) -> jax.Array:
     """`xla_rows_matvec`, computed on CUDA by the Triton kernel of triton_matvec (the choice is made when lowering:
     one traced function serves every platform). `default(x, raw, idx)` replaces the XLA spelling elsewhere; with
     JDS41_TRITON=interpret every platform runs the kernel, in Pallas' interpreter. `tile`: the kernel's, when not
-    the one its shape gives. `raw_EOR` may be a tuple of stacks of one shape: one launch, a tuple of results.
-    `mosaic`: on CUDA the Mosaic GPU Q8_0 kernel instead (`_mosaic_applies`), one launch a stack, with the row splits
-    of `mosaic_k` selections (default: this call's K)."""
+    the one its shape gives. `raw_EOR` may be a tuple of stacks of one shape: one launch, a tuple of results."""
     if triton_matvec.INTERPRET:
         return triton_matvec.rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout=layout, interpret=True, tile=tile)
-
-    def kernel(x, raw, idx):
-        if not mosaic:
-            return triton_matvec.rows_matvec(x, raw, idx, qtype, layout=layout, tile=tile)
-        k = mosaic_k or idx.shape[0]
-        return _each(raw, lambda r: mgpu_matvec.q8_0_matvec(
-            x, r, idx, splits=mgpu_matvec.default_splits(k, r.shape[1], x.shape[1])))
-
+    kernel = lambda x, raw, idx: triton_matvec.rows_matvec(x, raw, idx, qtype, layout=layout, tile=tile)
     xla = default or (lambda x, raw, idx: _each(raw, lambda r: xla_rows_matvec(x, r, idx, qtype, layout)))
     return lax.platform_dependent(x_XI, raw_EOR, idx_K, cuda=kernel, default=xla)
 

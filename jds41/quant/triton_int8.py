@@ -162,15 +162,6 @@ def _load_q2_k_words(w_ref, rows, b, *, n_in: int):
     return words, sc, tm._f16_bytes(w_ref, rows[:, None], d_at), tm._f16_bytes(w_ref, rows[:, None], d_at + 2)
 
 
-def _load_q2_k_words_staged(w_ref, rows, first, *, n_in: int, nb: int):
-    """`_load_q2_k_words`' fields from the staged Q2_K load (quant/loop_stages.py: every load wide enough for Triton
-    to pipeline), each word assembled from its 4 code bytes in registers."""
-    codes, sc, d_bytes, dmin_bytes = tm._load_q2_k_staged(w_ref, rows, first, n_in=n_in, nb=nb)
-    parts = [p[..., 0].astype(jnp.uint32) for p in jnp.split(codes, 4, axis=3)]  # byte k of each word, [BO, NB, 16]
-    words = parts[0] | (parts[1] << 8) | (parts[2] << 16) | (parts[3] << 24)
-    return words, sc, d_bytes, dmin_bytes
-
-
 def _dot_q2_k_int8(loaded, x_ref, kx, b, d_ref, *, dp4a):
     """Per sub-block j: sum code * q and sum q as dp4a over its 4 code positions u (x crumb-major: word 16u + j of
     the block), then d * sum_j dx_j * f32(sc_j * sum code q) - dmin * sum_j dx_j * f32(m_j * sum q)."""
@@ -226,15 +217,14 @@ def _words(q_XI: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(q_XI.reshape(X, n_in // 4, 4), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("qtype", "layout", "interpret", "tile", "q_crumb_major", "stages"))
+@functools.partial(jax.jit, static_argnames=("qtype", "layout", "interpret", "tile", "q_crumb_major"))
 def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype,
                      layout: str = "planar", interpret: bool = False, tile: tuple[int, ...] | None = None,
-                     q_crumb_major: bool = False, stages: int | None = None) -> jax.Array:
+                     q_crumb_major: bool = False) -> jax.Array:
     """`int8_act.xla_int8_rows_matvec` on the GPU: q int8 [1 or K, I], d f32 [1 or K, I / 32] (`round_int8`), raw
     rows [E, O, R] -> f32 [K, O]. `interpret` and `tile` as `triton_matvec.rows_matvec`. `q_crumb_major`: Q2_K's q
     comes already in the order its step reads (`triton_matvec._crumb_major`, as quant/int8_round_kernel.py writes
-    it), not in value order. `raw_EOR` may be a tuple of stacks of one shape: one launch (`triton_matvec.launch`).
-    `stages`: the step loop's pipeline stages, as `triton_matvec.rows_matvec`'s (None: JDS41_LOOP_STAGES')."""
+    it), not in value order. `raw_EOR` may be a tuple of stacks of one shape: one launch (`triton_matvec.launch`)."""
     K, X, n_in = idx_K.shape[0], q_XI.shape[0], q_XI.shape[1]
     bo, nb, warps, splits = tm.checked_tile("rows_matvec_int8", KINDS, qtype, layout, raw_EOR, K, X, n_in, tile)
     if d_XC.shape != (X, n_in // BLOCK):
@@ -243,15 +233,12 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     dp4a = _dp4a_plain if interpret else _dp4a_asm
     q_XI = jnp.asarray(q_XI, jnp.int8)
     x_in = None  # x as the step reads it: words of four values unless set
-    staged = None  # the load's staged form (quant/loop_stages.py), where it has one
     if qtype == T.IQ2_XXS:
         load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
-        staged = tm._load_iq2_xxs_staged
         dot = functools.partial(_dot_iq2_xxs_int8, dp4a=dp4a)
         extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
     elif qtype == T.Q8_0 and _Q8_0_FORM == "packs":
         load = functools.partial(tm._load_q8_0, n_in=n_in)  # the f32 kernel's load: bytes [BO, NB, 32], scales
-        staged = tm._load_q8_0_staged
         dot = functools.partial(_dot_q8_0_packs, dp4a_packs=_dp4a_packs_plain if interpret else _dp4a_packs_asm)
         extra, x_in = (jnp.asarray(d_XC, jnp.float32),), q_XI
     elif qtype == T.Q8_0:
@@ -259,16 +246,10 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
         dot = functools.partial(_dot_q8_0_words, dp4a=dp4a)
         extra = (jnp.asarray(d_XC, jnp.float32),)
     else:
-        load, staged = functools.partial(_load_q2_k_words, n_in=n_in), _load_q2_k_words_staged
+        load = functools.partial(_load_q2_k_words, n_in=n_in)
         dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a)
         extra = (jnp.asarray(d_XC, jnp.float32),)
         q_XI = q_XI if q_crumb_major else tm._crumb_major(q_XI)
-    stages = tm.LOOP_STAGES.get(qtype, 0) if stages is None else stages
-    staged = staged if stages and layout == "planar" else None
-    if staged is not None:
-        load = functools.partial(staged, n_in=n_in, nb=nb)
     return tm.launch(_words(q_XI) if x_in is None else x_in, raw_EOR, idx_K, extra, load=load, dot=dot,
-                     prefetch=qtype in tm.PREFETCH and not stages, tile=(bo, nb, warps, splits),
-                     steps=n_in // (nb * values * splits), interpret=interpret,
-                     name=f"rows_matvec_int8_{qtype.name.lower()}_{layout}", stages=stages,
-                     load_first=staged is not None)
+                     prefetch=qtype in tm.PREFETCH, tile=(bo, nb, warps, splits), steps=n_in // (nb * values * splits),
+                     interpret=interpret, name=f"rows_matvec_int8_{qtype.name.lower()}_{layout}")

@@ -34,10 +34,8 @@ step. That is not XLA's order, so the kernel agrees with the XLA path to f32 rou
 exact against itself because every such one-token product on CUDA is this kernel with a tile set by the shape alone
 (placements, drafting, prompt pieces and row-batched decode alike). The two MXFP4 layouts are not interchangeable
 there: Triton gave their loads different register layouts and so different summation orders on the H200, so a
-tensor keeps one layout wherever it is read (planar.planar_params). A format's step loop can ask Triton to pipeline
-its loads (JDS41_LOOP_STAGES, quant/loop_stages.py: the same arithmetic in the same written order). `JDS41_TRITON=0`
-turns the kernel off (read once, at import: for A/B benchmarks); without Pallas' Triton backend (deprecated in jax
-0.11) the XLA path runs.
+tensor keeps one layout wherever it is read (planar.planar_params). `JDS41_TRITON=0` turns the kernel off (read
+once, at import: for A/B benchmarks); without Pallas' Triton backend (deprecated in jax 0.11) the XLA path runs.
 """
 
 from __future__ import annotations
@@ -54,7 +52,6 @@ from gguf import GGMLQuantizationType as T
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jds41.quant import loop_stages
 from jds41.quant.blocks import IQ2XXS_PACKED_GRID
 from jds41.quant.planar import quant_bytes
 
@@ -96,15 +93,14 @@ def _kernel_type(name: str, variable: str):
     return T[name]
 
 
-def _splits_from(text: str, variable: str = "JDS41_SPLITS") -> dict:
-    """A "TYPE=S,..." switch (JDS41_SPLITS, JDS41_LOOP_STAGES) as {type: S}, or a ValueError that says what it
-    expected."""
+def _splits_from(text: str) -> dict:
+    """JDS41_SPLITS' "TYPE=S,..." as {type: S}, or a ValueError that says what it expected."""
     out = {}
     for item in filter(None, text.split(",")):
         name, _, count = item.partition("=")
         if not count.isdigit() or int(count) < 1:
-            raise ValueError(f"{variable}: {item!r} is not TYPE=S with S a positive integer")
-        out[_kernel_type(name, variable)] = int(count)
+            raise ValueError(f"JDS41_SPLITS: {item!r} is not TYPE=S with S a positive integer")
+        out[_kernel_type(name, "JDS41_SPLITS")] = int(count)
     return out
 
 
@@ -124,11 +120,6 @@ PREFETCH = frozenset(BLOCKS if _PREFETCH_ENV == "all" else () if _PREFETCH_ENV =
 # JDS41_SPLITS="TYPE=S,..." (read at import; for A/B benchmarks) replaces them.
 _SPLITS_ENV = os.environ.get("JDS41_SPLITS")
 SPLITS = _splits_from(_SPLITS_ENV) if _SPLITS_ENV is not None else {T.IQ2_XXS: 5, T.Q2_K: 3}
-# Pipeline stages of a format's step loop (quant/loop_stages.py: Triton's cp.async pipelining of every wide load,
-# S - 1 steps ahead), per format; unmeasured on a GPU when written, so none by default. JDS41_LOOP_STAGES="TYPE=S,..."
-# (read at import; for A/B benchmarks). Staging changes no arithmetic as written, but Triton picks register layouts
-# (and so a reduction's order) per kernel: whether the bits stay is tests/test_loop_stages.py's GPU test.
-LOOP_STAGES = _splits_from(os.environ.get("JDS41_LOOP_STAGES", ""), "JDS41_LOOP_STAGES")
 
 
 def has_triton_backend() -> bool:
@@ -450,54 +441,6 @@ def _crumb_major(x_XI: jax.Array) -> jax.Array:
     return x_XI.reshape(X, n_in // 256, 64, 4).swapaxes(2, 3).reshape(X, n_in)
 
 
-# Staged loads (quant/loop_stages.py): the same fields as the loads above, from the step's first block `first` (a
-# scalar), every one loaded as runs of at least 4 contiguous, aligned bytes. Triton pipelines only such loads; a
-# strided byte load (`_f16_bytes`' two, IQ2_XXS's four sign-word bytes) would stay synchronous in every step. Offsets
-# are built from the scalar so Triton's analysis sees them contiguous and aligned; the narrow fields are split out
-# of the wide loads in registers (`jnp.split` along a last axis: Triton's split).
-
-
-def _f16_runs(w_ref, rows, at, n: int):
-    """`_f16_bytes` of the n consecutive f16s from byte offset `at` (a scalar) of rows `rows`: one load of 2n bytes a
-    row, split into the low and the high bytes, each [BO, n]."""
-    pairs = w_ref[rows[:, None], (at + jnp.arange(2 * n, dtype=jnp.int32))[None, :]]
-    lo, hi = jnp.split(pairs.reshape(rows.shape[0], n, 2), 2, axis=2)
-    return lo[:, :, 0], hi[:, :, 0]
-
-
-def _load_q8_0_staged(w_ref, rows, first, *, n_in: int, nb: int):
-    """`_load_q8_0`'s quants [BO, NB, 32] and scale bytes."""
-    b = first + jnp.arange(nb, dtype=jnp.int32)
-    quants = w_ref[rows[:, None, None], (b[:, None] * 32 + _ar(32, 1, 2))[None]]
-    return quants, _f16_runs(w_ref, rows, n_in + 2 * first, nb)
-
-
-def _load_iq2_xxs_staged(w_ref, rows, first, *, n_in: int, nb: int):
-    """`_load_iq2_xxs`'s fields from planar rows: each group's 8 bytes in one load, split into its 4 index bytes and
-    its sign word's 4 bytes."""
-    b = first + jnp.arange(nb, dtype=jnp.int32)
-    groups = w_ref[rows[:, None, None, None], b[None, :, None, None] * 64 + _ar(8, 2, 4) * 8 + _ar(8, 3, 4)]
-    idx, aux = jnp.split(groups, 2, axis=3)  # [BO, NB, 8, 4] each
-    return idx, tuple(jnp.split(aux, 4, axis=3)), _f16_runs(w_ref, rows, quant_bytes(T.IQ2_XXS, n_in) + 2 * first, nb)
-
-
-def _load_q2_k_staged(w_ref, rows, first, *, n_in: int, nb: int):
-    """`_load_q2_k_planar`'s fields: codes [BO, NB, 16, 4], scale|min bytes [BO, NB, 16], and d and dmin from one
-    load of each block's last 4 bytes."""
-    b = first + jnp.arange(nb, dtype=jnp.int32)
-    codes = w_ref[rows[:, None, None, None], b[None, :, None, None] * 64 + _ar(16, 2, 4) * 4 + _ar(4, 3, 4)]
-    fields_at = (quant_bytes(T.Q2_K, n_in) + b * 20)[:, None]  # [NB, 1]
-    sc = w_ref[rows[:, None, None], (fields_at + _ar(16, 1, 2))[None]]
-    d_dmin = w_ref[rows[:, None, None], (fields_at + 16 + _ar(4, 1, 2))[None]]  # [BO, NB, 4]
-    d_lo, d_hi, m_lo, m_hi = (f[..., 0] for f in jnp.split(d_dmin, 4, axis=2))
-    return codes, sc, (d_lo, d_hi), (m_lo, m_hi)
-
-
-# (qtype, layout) -> the staged load of the f32 step (and of the int8 kernels that read the same fields)
-STAGED_LOADS = {(T.Q8_0, "planar"): _load_q8_0_staged, (T.IQ2_XXS, "planar"): _load_iq2_xxs_staged,
-                (T.Q2_K, "planar"): _load_q2_k_staged}
-
-
 def _steps(qtype, planar: bool, n_in: int):
     """(load, dot) of a format's f32 step (the comment above `_load_mxfp4`)."""
     return {
@@ -509,7 +452,7 @@ def _steps(qtype, planar: bool, n_in: int):
 
 
 def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: int, nb: int, steps: int,
-            x_per_row: bool, parts: int, load_first: bool):
+            x_per_row: bool, parts: int):
     """One program: BO rows of one selected matrix over `steps` steps of NB blocks (its split's share of the row)
     summed into one f32 accumulator per row. `rest`: the `parts` weight stacks, the step's other inputs (tables,
     x's scales), then the output. With `prefetch` step t + 1's bytes are loaded before step t's arithmetic and
@@ -517,30 +460,27 @@ def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: in
     keeps a step's loads in flight while it computes; the last step's arithmetic follows the loop. The order of the
     sums is the same either way. With several parts (stacks of one shape read by one launch: a gate and an up
     product of one x) program column j takes part j // (O / BO), and the part's arithmetic is the one-part
-    kernel's. With `load_first` the load takes the step's first block (a scalar) instead of its NB blocks (the
-    staged loads: STAGED_LOADS)."""
+    kernel's."""
     w_refs, extra, o_ref = rest[:parts], rest[parts:-1], rest[-1]
     k, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kx = k if x_per_row else jnp.int32(0)
     per_part = n_out // bo
     rows = idx_ref[k] * n_out + (j % per_part) * bo + jnp.arange(bo, dtype=jnp.int32)  # of the flat [E * O, R] stack
-    first = lambda t: (split * steps + t) * nb  # noqa: E731
-    blocks = lambda t: first(t) + jnp.arange(nb, dtype=jnp.int32)  # noqa: E731
-    load_at = first if load_first else blocks
+    blocks = lambda t: (split * steps + t) * nb + jnp.arange(nb, dtype=jnp.int32)  # noqa: E731
 
     def rows_of(w_ref):
         if prefetch:
             def step(t, carry):
                 acc_O, loaded = carry
-                ahead = load(w_ref, rows, load_at(t + 1))
+                ahead = load(w_ref, rows, blocks(t + 1))
                 return acc_O + dot(loaded, x_ref, kx, blocks(t), *extra), ahead
 
             acc_O, last = lax.fori_loop(0, steps - 1, step,
-                                        (jnp.zeros((bo,), jnp.float32), load(w_ref, rows, load_at(0))))
+                                        (jnp.zeros((bo,), jnp.float32), load(w_ref, rows, blocks(0))))
             o_ref[0, 0, :] = acc_O + dot(last, x_ref, kx, blocks(steps - 1), *extra)
         else:
             def step(t, acc_O):
-                return acc_O + dot(load(w_ref, rows, load_at(t)), x_ref, kx, blocks(t), *extra)
+                return acc_O + dot(load(w_ref, rows, blocks(t)), x_ref, kx, blocks(t), *extra)
 
             o_ref[0, 0, :] = lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32))
 
@@ -551,14 +491,11 @@ def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: in
             pl.when(j // per_part == p)(functools.partial(rows_of, w_ref))
 
 
-def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, steps: int, interpret: bool, name: str,
-           stages: int = 0, load_first: bool = False):
+def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, steps: int, interpret: bool, name: str):
     """The kernel over raw rows `raw_EOR` [E, O, R] for K = len(idx_K) selections (clamped to the stack), x [1 or
     K, ...] (in the form the step reads), `extra` the step's other inputs; tile (BO, NB, warps, splits), `steps`
     steps a program. -> f32 [K, O], the splits' partial sums added in split order. `raw_EOR` may be a tuple of
-    stacks of one shape (read with one x and one index list): one launch computes them all and returns a tuple.
-    `stages` >= 1 asks Triton to pipeline the step loop's wide loads over that many stages (quant/loop_stages.py;
-    0: no request, Pallas' default); `load_first`: `_kernel`'s."""
+    stacks of one shape (read with one x and one index list): one launch computes them all and returns a tuple."""
     stacks = raw_EOR if isinstance(raw_EOR, tuple) else (raw_EOR,)
     E, n_out, R = stacks[0].shape
     if any(s.shape != stacks[0].shape for s in stacks):
@@ -566,7 +503,7 @@ def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, step
     K, P = idx_K.shape[0], len(stacks)
     bo, nb, warps, splits = tile
     kernel = functools.partial(_kernel, load=load, dot=dot, prefetch=prefetch, n_out=n_out, bo=bo, nb=nb,
-                               steps=steps, x_per_row=x_XI.shape[0] > 1, parts=P, load_first=load_first)
+                               steps=steps, x_per_row=x_XI.shape[0] > 1, parts=P)
     params = None
     if interpret:  # Interpreted, the kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two
         # calls on one weight could then share its decoded loads (CSE) and fuse, and so round, by their surroundings.
@@ -576,9 +513,6 @@ def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, step
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=warps, num_stages=2)
-        if stages:
-            loop_stages.install()
-            name = loop_stages.staged_name(name, stages)
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((splits, K, P * n_out), jnp.float32),
         grid=(K, P * n_out // bo, splits), out_specs=pl.BlockSpec((1, 1, bo), lambda k, j, s: (s, k, j)),
@@ -610,18 +544,16 @@ def checked_tile(name: str, kinds, qtype, layout: str, raw_EOR, K: int, X: int, 
     return bo, nb, warps, splits
 
 
-@functools.partial(jax.jit, static_argnames=("qtype", "layout", "interpret", "tile", "stages"))
+@functools.partial(jax.jit, static_argnames=("qtype", "layout", "interpret", "tile"))
 def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml",
-                interpret: bool = False, tile: tuple[int, ...] | None = None, stages: int | None = None) -> jax.Array:
+                interpret: bool = False, tile: tuple[int, ...] | None = None) -> jax.Array:
     """y[k, o] = sum_i W[idx[k], o, i] x[k, i] (x [K, I]) or x[0, i] (x [1, I]) -> f32 [K, O], from raw rows
     `raw_EOR` uint8 [E, O, row_bytes] of `qtype` in `layout` ("ggml" as in the file, or "planar"). Indices are
     clamped to the stack like `jnp.take(mode="clip")`. `interpret` runs the kernel in Pallas' interpreter (any
     platform: the CPU tests); `tile` (BO, NB, warps[, splits]) overrides the tile for benchmarks (BO must divide O,
     and NB * splits the row's blocks: each of `splits` programs sums its share of a row's steps, and the shares'
     sums are added in split order). `raw_EOR` may be a tuple of stacks of one shape: one launch, a tuple of results
-    (`launch`). `stages`: the step loop's pipeline stages (`launch`; None: LOOP_STAGES' for the format, 0: none);
-    a staged loop reads with the format's STAGED_LOADS load where it has one, and never loads a step ahead in
-    registers (PREFETCH: the pipelining replaces it)."""
+    (`launch`)."""
     K, n_in = idx_K.shape[0], x_XI.shape[1]
     bo, nb, warps, splits = checked_tile("rows_matvec", KINDS, qtype, layout, raw_EOR, K, x_XI.shape[0], n_in, tile)
     values = BLOCKS[qtype][0]
@@ -631,11 +563,6 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
     elif qtype == T.Q2_K and layout == "planar":
         x_XI = _crumb_major(x_XI)
     load, dot = _steps(qtype, layout == "planar", n_in)
-    stages = LOOP_STAGES.get(qtype, 0) if stages is None else stages
-    staged = STAGED_LOADS.get((qtype, layout)) if stages else None
-    if staged is not None:
-        load = functools.partial(staged, n_in=n_in, nb=nb)
-    return launch(x_XI.astype(jnp.float32), raw_EOR, idx_K, extra, load=load, dot=dot,
-                  prefetch=qtype in PREFETCH and not stages, tile=(bo, nb, warps, splits),
-                  steps=n_in // (nb * values * splits), interpret=interpret,
-                  name=f"rows_matvec_{qtype.name.lower()}_{layout}", stages=stages, load_first=staged is not None)
+    return launch(x_XI.astype(jnp.float32), raw_EOR, idx_K, extra, load=load, dot=dot, prefetch=qtype in PREFETCH,
+                  tile=(bo, nb, warps, splits), steps=n_in // (nb * values * splits), interpret=interpret,
+                  name=f"rows_matvec_{qtype.name.lower()}_{layout}")
