@@ -23,7 +23,8 @@
 #                                             # that no tile changed), ~3 min
 #   bash experiments/device_next.sh cmdbuf    # V4.1 int8 decode ABAB (decode-ab): XLA's default command buffer types
 #                                             # against the same plus WHILE and CONDITIONAL (the device loop's
-#                                             # predicate stays on the GPU) and against none, ~9 min
+#                                             # predicate stays on the GPU), ~6 min; CMDBUF_NONE=1 adds an
+#                                             # arm with none, ~9 min
 #   bash experiments/device_next.sh decode-ab # V4.1 int8 decode ABAB: the defaults against the environment in
 #                                             # AB_ON (e.g. AB_ON="JDS41_ATTN_KERNEL=1", or
 #                                             # AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false":
@@ -112,12 +113,14 @@ case "${1:-}" in
     python3 experiments/bench_decode.py "${common[@]}"
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=4" python3 experiments/bench_decode.py "${common[@]}" ;;
   cmdbuf)  # decode ABAB: XLA's default command buffers against the same with WHILE and CONDITIONAL added (the
-    # device loop as CUDA graph nodes rather than a host copy of its predicate a step) and against none; each arm only
-    # where this XLA accepts its flag (XLA stops a process at a value it does not know)
+    # device loop as CUDA graph nodes rather than a host copy of its predicate a step) and, with CMDBUF_NONE=1,
+    # against none; each arm only where this XLA accepts its flag (XLA stops a process at a value it does not know)
     cb="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"
     accepts() { env "$1" python3 -c 'import jax.numpy as j; j.ones(2).sum()' >/dev/null 2>&1; }
     arms=()
-    for arm in "XLA_FLAGS=$cb,WHILE,CONDITIONAL" "XLA_FLAGS=--xla_gpu_enable_command_buffer="; do
+    candidates=("XLA_FLAGS=$cb,WHILE,CONDITIONAL")
+    [ "${CMDBUF_NONE:-0}" = 1 ] && candidates+=("XLA_FLAGS=--xla_gpu_enable_command_buffer=")
+    for arm in "${candidates[@]}"; do
       accepts "$arm" && arms+=("$arm")
     done
     printf 'arms: %s\n' "${arms[@]}" | tee "$OUT/cmdbuf_arms.txt"
