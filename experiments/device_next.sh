@@ -24,7 +24,8 @@
 #   bash experiments/device_next.sh cmdbuf    # V4.1 int8 decode ABAB (decode-ab): XLA's default command buffer types
 #                                             # against the same plus WHILE and CONDITIONAL (the device loop's
 #                                             # predicate stays on the GPU), ~6 min; CMDBUF_NONE=1 adds an
-#                                             # arm with none, ~9 min
+#                                             # arm with none, ~9 min. Run at 287f3a2 on an H100: no change, and
+#                                             # the loop stayed off the graph (its Engram host call)
 #   bash experiments/device_next.sh decode-ab # V4.1 int8 decode ABAB: the defaults against the environment in
 #                                             # AB_ON (e.g. AB_ON="JDS41_ATTN_KERNEL=1", or
 #                                             # AB_ON="XLA_FLAGS=--xla_gpu_enable_pdl=false":
@@ -38,7 +39,7 @@
 #     queued: V4_ON="XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,\
 #     DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL" (XLA's default command buffer types plus WHILE and CONDITIONAL: the
 #     decode loop as one CUDA graph with conditional nodes, no host copy of the loop's predicate a token; V4 has no
-#     Engram host call in the loop), same predictions expected
+#     Engram host call in the loop, which kept V4.1's loop off the graph in `cmdbuf`), same predictions expected
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 # The tree that travels to it is limited to 64 MiB in all, and the small model's shards (checkpoints/
@@ -127,7 +128,7 @@ case "${1:-}" in
     (( ${#arms[@]} )) || exit 1
     AB_ON="${arms[0]}" AB_ON2="${arms[1]:-}" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-280} bash "$0" decode-ab ;;
   decode-ab)  # AB_ON: the arm's environment; AB_ON2 (optional): a third arm. Rounds of A B [C] while time allows.
-    read -r -a on <<<"${AB_ON:?set AB_ON to the environment assignments to A/B, e.g. JDS41_MOSAIC_Q8=1}"
+    read -r -a on <<<"${AB_ON:?set AB_ON to the environment assignments to A/B, e.g. JDS41_ATTN_KERNEL=1}"
     arms=("" "${AB_ON}")
     [ -n "${AB_ON2:-}" ] && arms+=("${AB_ON2}")
     common=("${V41_DECODE[@]}" --out "$OUT/bench_decode_ab_v41_4L.jsonl")
