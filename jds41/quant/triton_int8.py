@@ -49,7 +49,13 @@ KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar"
 # Q8_0's step: "packs" (dp4a over a thread's packs of four loaded bytes) or "words" (bytes assembled into words
 # first); read at import, for A/B measurements
 _Q8_0_FORM = os.environ.get("JDS41_INT8_Q8_0_FORM", "packs")
+# IQ2_XXS's octet step: "packed" (`_octets`), "prmt" (`_octets_prmt`, the same tables) or "prmt_nibbles" (its grid
+# table already in selector nibbles, 1 KB); read at import, for A/B measurements
+_IQ2_FORM = os.environ.get("JDS41_INT8_IQ2_FORM", "packed")
 _BYTE_ONES = np.int32(0x01010101)
+# prmt's eight source bytes (first word bytes 0-3, second 4-7): the grid magnitudes 8, 25, 43 at bytes 0-2 and their
+# negatives at bytes 4-6, so selector nibble code + 4 * negative picks a value's signed byte
+_SIGNED_MAGNITUDES = (np.int32(0x002B1908), np.int32(0x00D5E7F8))
 
 
 def supported(qtype, stack_bytes: int, layout: str) -> bool:
@@ -99,6 +105,55 @@ def _dp4a_packs_plain(a, b):
     return a.astype(jnp.int32) * b.astype(jnp.int32)
 
 
+def _prmt_asm(a, b, c):
+    """PTX's prmt.b32 (default mode), elementwise: byte i of the result is byte c[4i + 2 : 4i] of the eight bytes
+    {a, b} (a's bytes 0-3, b's 4-7), or that byte's sign bit replicated where c's bit 4i + 3 is set. One
+    instruction picks four bytes from a table held in two registers."""
+    from jax.experimental.pallas import triton as plgpu
+
+    shape = jnp.broadcast_shapes(a.shape, b.shape, c.shape)
+    args = [jnp.broadcast_to(v, shape) for v in (a, b, c)]
+    [out] = plgpu.elementwise_inline_asm("prmt.b32 $0, $1, $2, $3;", args=args, constraints="=r,r,r,r", pack=1,
+                                         result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.int32)])
+    return out
+
+
+def _prmt_plain(a, b, c):
+    """`_prmt_asm` as shifts and selects (Pallas' interpreter has no inline assembly): the same words."""
+    out = jnp.zeros(jnp.broadcast_shapes(a.shape, b.shape, c.shape), jnp.int32)
+    for i in range(4):
+        sel = (c >> (4 * i)) & 7
+        byte = lax.shift_right_logical(jnp.where(sel >= 4, b, a), (sel & 3) * 8) & 0xFF
+        byte = jnp.where(((c >> (4 * i + 3)) & 1) != 0, jnp.where((byte & 0x80) != 0, 0xFF, 0), byte)
+        out = out | (byte << (8 * i))
+    return out
+
+
+def _nibble_codes(p):
+    """Words whose bits 2k, 2k + 1 (k = 0..7) hold 2-bit codes -> code k at bits 4k, 4k + 1 (prmt's selectors)."""
+    t = (p | (p << 8)) & 0x00FF00FF  # codes 0-3 at bits 0-7, codes 4-7 at bits 16-23
+    t = (t | (t << 4)) & 0x0F0F0F0F  # two codes a byte
+    return (t | (t << 2)) & 0x33333333
+
+
+def _nibble_signs(s):
+    """Sign bytes (bit k: value k negative) -> bit k at bit 4k + 2: the selector's half of prmt's table."""
+    t = (s | (s << 12)) & 0x000F000F  # bits 0-3 stay, 4-7 move to 16-19
+    t = (t | (t << 6)) & 0x03030303  # two bits a byte
+    return ((t | (t << 3)) & 0x11111111) << 2
+
+
+def _octets_prmt(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a, prmt, nibbles: bool):
+    """`_octets` by byte permutes: each value's selector nibble is its code plus 4 where negative, and prmt picks
+    its signed byte from `_SIGNED_MAGNITUDES`, so the octet is two dp4a of ready signed words. ~20 integer ops an
+    octet against ~40 for the masks. `nibbles`: the grid table holds the selector nibbles already."""
+    p = codes_ref[idx].astype(jnp.int32)
+    sel = (p if nibbles else _nibble_codes(p)) | _nibble_signs(signs_ref[s7].astype(jnp.int32))
+    lo, hi = (jnp.full(p.shape, v, jnp.int32) for v in _SIGNED_MAGNITUDES)
+    # sel's top nibble is at most 6, so the arithmetic shift brings values 4-7's selectors down as they are
+    return dp4a(prmt(lo, hi, sel >> 16), xh, dp4a(prmt(lo, hi, sel), xl, jnp.zeros_like(p)))
+
+
 def _code_bytes(p):
     """int32 words whose bits 2k, 2k + 1 (k = 0..3) hold 2-bit codes -> code k in byte k (shifted copies masked)."""
     a = (p | (p << 12)) & 0x000F000F  # codes 0, 1 at bits 0-3; codes 2, 3 at bits 16-19
@@ -127,7 +182,7 @@ def _octets(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a):
     return whole - 2 * neg
 
 
-def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, codes_ref, signs_ref, *, dp4a):
+def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, codes_ref, signs_ref, *, octets):
     """A block's 8 groups of 4 octets (`_dot_iq2_xxs` names the fields): per octet the integer dot product of its 8
     signed magnitudes with x's two words (value order: octet o = 4g + j is words 8g + 2j and 8g + 2j + 1), summed
     over the group's octets (exact), times 2s + 1; then per group f32 times x's block scale, summed over groups,
@@ -141,8 +196,8 @@ def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, codes_ref, signs_ref, *, dp4a
     s7 = ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)  # [BO, NB, 8, 4]: octets' sign indices
     x_at = b[:, None, None] * 64 + g[0] * 8 + j[0] * 2  # [NB, 8, 4]: octet (g, j)'s first word
     xl, xh = x_ref[kx, x_at][None], x_ref[kx, x_at + 1][None]
-    octets = _octets(idx, s7, xl, xh, codes_ref, signs_ref, dp4a=dp4a)
-    group_sums = jnp.sum(octets * ((aux >> 28).astype(jnp.int32) * 2 + 1), axis=3)  # [BO, NB, 8], times 2s + 1
+    sums = octets(idx, s7, xl, xh, codes_ref, signs_ref)
+    group_sums = jnp.sum(sums * ((aux >> 28).astype(jnp.int32) * 2 + 1), axis=3)  # [BO, NB, 8], times 2s + 1
     dx = d_ref[kx, b[:, None] * 8 + g[0, :, :, 0]][None]  # [1, NB, 8]
     per_block = jnp.sum(dx * group_sums.astype(jnp.float32), axis=2)  # [BO, NB]
     return jnp.sum(tm._f16_value(d_bytes) * per_block * np.float32(0.125), axis=1)
@@ -211,6 +266,10 @@ def _dot_q8_0_words(loaded, x_ref, kx, b, d_ref, *, dp4a):
     return _q8_0_block_sums(isum, scale_bytes, d_ref, kx, b)
 
 
+# IQ2_XXS's grid with code k at bits 4k (`_nibble_codes` of the packed grid), int32 [256]: "prmt_nibbles"' table
+IQ2XXS_NIBBLE_GRID = np.asarray(_nibble_codes(IQ2XXS_PACKED_GRID.astype(np.int32)), np.int32)
+
+
 def _words(q_XI: jax.Array) -> jax.Array:
     """int8 [X, I] -> int32 [X, I / 4], four consecutive values a word (value 4w + k at byte k)."""
     X, n_in = q_XI.shape
@@ -235,8 +294,13 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     x_in = None  # x as the step reads it: words of four values unless set
     if qtype == T.IQ2_XXS:
         load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
-        dot = functools.partial(_dot_iq2_xxs_int8, dp4a=dp4a)
-        extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
+        octets, grid = functools.partial(_octets, dp4a=dp4a), IQ2XXS_PACKED_GRID
+        if _IQ2_FORM in ("prmt", "prmt_nibbles"):
+            octets = functools.partial(_octets_prmt, dp4a=dp4a, prmt=_prmt_plain if interpret else _prmt_asm,
+                                       nibbles=_IQ2_FORM == "prmt_nibbles")
+            grid = IQ2XXS_NIBBLE_GRID if _IQ2_FORM == "prmt_nibbles" else grid
+        dot = functools.partial(_dot_iq2_xxs_int8, octets=octets)
+        extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), grid, tm.IQ2XXS_SIGN_BYTES))
     elif qtype == T.Q8_0 and _Q8_0_FORM == "packs":
         load = functools.partial(tm._load_q8_0, n_in=n_in)  # the f32 kernel's load: bytes [BO, NB, 32], scales
         dot = functools.partial(_dot_q8_0_packs, dp4a_packs=_dp4a_packs_plain if interpret else _dp4a_packs_asm)
