@@ -33,11 +33,6 @@
 #                                             # launch on Hopper by default, llama.cpp overlaps its ~1,100 kernels a
 #                                             # step that way); AB_ON2 adds a third arm; rounds while
 #                                             # time allows, then one profile an arm, ~8 min
-#   bash experiments/device_next.sh iq2       # the IQ2_XXS int8 step by byte permutes (PTX prmt: a value's signed
-#                                             # byte picked from a two-register table, ~20 integer ops an octet
-#                                             # against ~40; ncu at e8e7bb3 put the packed form at 76% issue and
-#                                             # 70% L1) against the packed form: GPU tests, the gate/up product
-#                                             # alone, V4.1 int8 decode rounds, ~7 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at 00bd37d: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -151,25 +146,6 @@ case "${1:-}" in
       read -r -a e <<<"$arm"; env "${e[@]}" python3 experiments/profile_decode.py "${prof[@]}"
     done
     if (( SECONDS < 500 )); then python3 experiments/profile_decode.py "${prof[@]}"; fi ;;
-  iq2)  # the IQ2_XXS int8 step's forms (JDS41_INT8_IQ2_FORM, quant/triton_int8.py): their GPU tests, the gate/up
-    # product alone (two rounds of the three), then V4.1 int8 decode, rounds of the three while SECONDS < 400
-    forms=(packed prmt prmt_nibbles)
-    python3 -m pytest -q -m gpu -rf --tb=line tests/test_int8_numerics.py -k "iq2_xxs_form or compiled_int8" 2>&1 \
-      | tail -15 | tee "$OUT/iq2_forms_tests.txt"
-    for round in 1 2; do
-      for form in "${forms[@]}"; do  # a form that fails to build costs its rows, not the call
-        JDS41_INT8_IQ2_FORM=$form python3 experiments/bench_kernels.py --shapes v41-experts-gate-up \
-          --out "$OUT/bench_kernels_iq2_forms.jsonl" || true
-      done
-    done
-    rounds=0
-    while (( rounds < 1 || SECONDS < ${IQ2_DECODE_UNTIL_S:-400} )); do
-      for form in "${forms[@]}"; do
-        JDS41_INT8_IQ2_FORM=$form python3 experiments/bench_decode.py "${V41_DECODE[@]}" \
-          --out "$OUT/bench_decode_iq2_forms_v41_4L.jsonl" || true
-      done
-      rounds=$((rounds + 1))
-    done ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
@@ -178,6 +154,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|iq2|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|v4" >&2
     exit 2 ;;
 esac

@@ -2,12 +2,13 @@
 
 On every machine: the rounding against a numpy re-derivation; the XLA integer product and the kernel (Pallas'
 interpreter, with the dp4a spelled as shifts and multiplies) against a float64 product of gguf-py's dequantized
-weights with the rounded activation; the dp4a spelling against numpy's int8 dot; the packed IQ2_XXS octet
-arithmetic over every grid entry and sign index against gguf-py's grid and ksigns; the wiring (which products round,
-which lower to which kernel on CUDA); and an engine opened with numerics="int8": the device loop gives the step
-loop's tokens, a three-tier placement gives the resident bits, and the logits differ from the f32 activation's
-(the numerics is really on) by little; the server's and generate's --numerics. On a GPU (marker `gpu`): the
-compiled kernel against the XLA product at V4.1's expert shapes.
+weights with the rounded activation; the dp4a spelling against numpy's int8 dot, and the prmt spelling against a
+numpy re-derivation of PTX's byte permute; the IQ2_XXS octet arithmetic over every grid entry and sign index
+against gguf-py's grid and ksigns; the wiring (which products round, which lower to which kernel on CUDA); and an
+engine opened with numerics="int8": the device loop gives the step loop's tokens, a three-tier placement gives the
+resident bits, and the logits differ from the f32 activation's (the numerics is really on) by little; the server's
+and generate's --numerics. On a GPU (marker `gpu`): the compiled kernel against the XLA product at V4.1's expert
+shapes.
 """
 
 from __future__ import annotations
@@ -33,15 +34,7 @@ from jds41.quant.blocks import IQ2XXS_PACKED_GRID
 from jds41.quant.int8_act import int8_values, round_int8, xla_int8_rows_matvec
 from jds41.quant.planar import to_planar
 from jds41.quant.random_blocks import random_quantized
-from jds41.quant.triton_int8 import (
-    IQ2XXS_NIBBLE_GRID,
-    KINDS,
-    _dp4a_plain,
-    _octets,
-    _octets_prmt,
-    _prmt_plain,
-    rows_matvec_int8,
-)
+from jds41.quant.triton_int8 import KINDS, _dp4a_plain, _octets, _prmt_plain, rows_matvec_int8
 from jds41.quant.triton_matvec import IQ2XXS_SIGN_BYTES
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -106,21 +99,10 @@ def test_prmt_spelled_in_shifts_is_ptxs_byte_permute():
     np.testing.assert_array_equal(got, _numpy_prmt(a, b, c))
 
 
-OCTET_FORMS = {  # form -> (octet step, its grid table)
-    "packed": (lambda *a: _octets(*a, dp4a=_dp4a_plain), IQ2XXS_PACKED_GRID),
-    "prmt": (lambda *a: _octets_prmt(*a, dp4a=_dp4a_plain, prmt=_prmt_plain, nibbles=False), IQ2XXS_PACKED_GRID),
-    "prmt_nibbles": (lambda *a: _octets_prmt(*a, dp4a=_dp4a_plain, prmt=_prmt_plain, nibbles=True),
-                     IQ2XXS_NIBBLE_GRID),
-}
-
-
-@pytest.mark.parametrize("form", sorted(OCTET_FORMS))
-def test_every_grid_entry_and_sign_index_gives_gguf_pys_signed_octet(form):
-    """Each IQ2_XXS octet step (`_octets`: codes to magnitude bytes, sign bits to byte masks, dp4a(m, x) -
-    2 dp4a(m & M, x); `_octets_prmt`: signed bytes picked by byte permutes) over all 256 grid entries x 128 sign
-    indices, with x = one-hot per value, against gguf-py's grid and ksigns: each value of every octet comes out as
-    gguf-py's signed grid value."""
-    octets, grid_table = OCTET_FORMS[form]
+def test_every_grid_entry_and_sign_index_gives_gguf_pys_signed_octet():
+    """The IQ2_XXS octet step (`_octets`: codes and sign bits to selector nibbles, signed bytes picked by byte
+    permutes, two dp4a) over all 256 grid entries x 128 sign indices, with x = one-hot per value, against gguf-py's
+    grid and ksigns: each value of every octet comes out as gguf-py's signed grid value."""
     iq = gguf.quants.IQ2_XXS
     iq.init_grid()
     grid = np.asarray(iq.grid, np.int64).reshape(256, 8)
@@ -132,8 +114,9 @@ def test_every_grid_entry_and_sign_index_gives_gguf_pys_signed_octet(form):
         one_hot = np.zeros(8, np.int8)
         one_hot[k] = 1
         xl, xh = (jnp.asarray(np.full(idx.size, v, np.int32)) for v in one_hot.view(np.int32))
-        got[:, k] = np.asarray(octets(jnp.asarray(idx, jnp.int32), jnp.asarray(s7, jnp.int32), xl, xh,
-                                      jnp.asarray(grid_table), jnp.asarray(IQ2XXS_SIGN_BYTES)))
+        got[:, k] = np.asarray(_octets(jnp.asarray(idx, jnp.int32), jnp.asarray(s7, jnp.int32), xl, xh,
+                                       jnp.asarray(IQ2XXS_PACKED_GRID), jnp.asarray(IQ2XXS_SIGN_BYTES),
+                                       dp4a=_dp4a_plain, prmt=_prmt_plain))
     np.testing.assert_array_equal(got, want)
 
 
@@ -181,26 +164,6 @@ def test_both_q8_0_kernel_forms_equal_the_reference_and_each_other(monkeypatch, 
             q, d, jnp.asarray(to_planar(raw, T.Q8_0)), jnp.asarray(idx), T.Q8_0, "planar", interpret=True))
     np.testing.assert_array_equal(got["packs"], got["words"])
     assert _rel(got["packs"], _reference(x, raw, idx, T.Q8_0)) < 1e-6
-
-
-@pytest.mark.parametrize("layout", ["ggml", "planar"])
-def test_the_iq2_xxs_kernel_forms_give_the_same_bits(monkeypatch, layout):
-    """The IQ2_XXS step's three forms (JDS41_INT8_IQ2_FORM, read at import: set on the module and traced afresh):
-    the same integer sums, so the same bits, and the float64 reference's values."""
-    rng = np.random.default_rng(10)
-    raw = random_quantized(rng, T.IQ2_XXS, (4, 16, 1024))
-    idx = np.array([2, 0, 3], np.int32)
-    x = rng.standard_normal((1, 1024)).astype(np.float32)
-    q, d = round_int8(jnp.asarray(x))
-    rows = jnp.asarray(to_planar(raw, T.IQ2_XXS) if layout == "planar" else raw)
-    got = {}
-    for form in OCTET_FORMS:
-        monkeypatch.setattr(triton_int8, "_IQ2_FORM", form)
-        got[form] = np.asarray(triton_int8.rows_matvec_int8.__wrapped__(
-            q, d, rows, jnp.asarray(idx), T.IQ2_XXS, layout, interpret=True))
-    np.testing.assert_array_equal(got["prmt"], got["packed"])
-    np.testing.assert_array_equal(got["prmt_nibbles"], got["packed"])
-    assert _rel(got["packed"], _reference(x, raw, idx, T.IQ2_XXS)) < 1e-6
 
 
 def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda(monkeypatch):
@@ -282,34 +245,15 @@ def test_drafting_under_int8_gives_int8_plain_decode(tmp_path):
 @pytest.mark.parametrize("qtype,n_out,n_in,X", [(T.IQ2_XXS, 2304, 5120, 1), (T.Q2_K, 5120, 2304, 6),
                                                 (T.Q8_0, 5120, 8192, 1), (T.Q8_0, 1024, 4096, 6)])
 def test_the_compiled_int8_kernel_agrees_with_the_xla_product_on_the_gpu(qtype, n_out, n_in, X):
-    _compiled_against_xla(qtype, n_out, n_in, X)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("form", sorted(OCTET_FORMS))
-def test_each_compiled_iq2_xxs_form_agrees_with_the_xla_product_on_the_gpu(monkeypatch, form):
-    """The byte permute forms through PTX's prmt (the CPU tests check its spelling in shifts): near the XLA product,
-    and the packed form's bits exactly."""
-    monkeypatch.setattr(triton_int8, "_IQ2_FORM", form)
-    got = _compiled_against_xla(T.IQ2_XXS, 2304, 5120, 1, wrapped=True)
-    monkeypatch.setattr(triton_int8, "_IQ2_FORM", "packed")
-    np.testing.assert_array_equal(got, _compiled_against_xla(T.IQ2_XXS, 2304, 5120, 1, wrapped=True))
-
-
-def _compiled_against_xla(qtype, n_out, n_in, X, wrapped=False):
-    """The compiled kernel against `xla_int8_rows_matvec` on eight copies of one random expert; `wrapped` traces
-    the kernel afresh (past rows_matvec_int8's jit cache, for a switch set on the module)."""
-    kernel = triton_int8.rows_matvec_int8.__wrapped__ if wrapped else rows_matvec_int8
     rng = np.random.default_rng(6)
     one = random_quantized(rng, qtype, (1, n_out, n_in))
     raw = np.concatenate([one] * 8)
     idx = jnp.asarray(rng.integers(0, 8, 6), jnp.int32)
     q, d = round_int8(jnp.asarray(rng.standard_normal((X, n_in)), jnp.float32))
     rows = jax.device_put(to_planar(raw, qtype))
-    got = np.asarray(jax.jit(lambda q, d, r, i: kernel(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
+    got = np.asarray(jax.jit(lambda q, d, r, i: rows_matvec_int8(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
     want = np.asarray(jax.jit(lambda q, d, r, i: xla_int8_rows_matvec(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
     assert np.isfinite(got).all() and _rel(got, want.astype(np.float64)) < 1e-5
-    return got
 
 
 def test_the_server_and_generate_command_lines_take_the_numerics(tmp_path, capsys):

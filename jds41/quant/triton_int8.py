@@ -8,14 +8,18 @@ to an int32, one instruction). Pallas' interpreter has no inline assembly, so th
 is four shifts and multiplies: integer sums are exact, so both give the same integers.
 
 IQ2_XXS (either layout): per octet, its grid index names the 16-bit word of its 8 two-bit codes in blocks.py's
-packed grid (a 512-byte table) and its sign index its sign byte (ggml's even-parity bit 7, a 128-byte table); the
-codes are spread to bytes and mapped to magnitudes (8, 25, 43) by integer arithmetic, the sign bits to byte masks
-M, and the octet's sum is dp4a(m, x) - 2 dp4a(m & M, x) over its two words (x read in value order). Why small
+packed grid (a 512-byte table) and its sign index its sign byte (ggml's even-parity bit 7, a 128-byte table). The
+codes and sign bits are spread to one selector nibble a value (code + 4 where negative), and PTX's byte permute
+(prmt, one instruction a word) picks each value's signed byte from the eight bytes 8, 25, 43, -, -8, -25, -43, -
+held in two registers; the octet's sum is two dp4a of those words with x's (x read in value order). Why small
 tables: a gather from a table of L 128-byte lines costs a warp up to L L1 wavefronts. The first form looked up
 magnitude and mask words in a 3 KB table (four lookups an octet, ~44 wavefronts a warp's octet against ~5 here);
-ncu put it at 92% of L1 throughput, and it ran no faster than the f32 kernel (24.8 us a call net of the loop,
-f32 23.0; 38.1 against 34.7 under ncu) though it executed 2.3x fewer instructions. This form: 12.5 us
-(results/bench_kernels_int8_h200.jsonl, bench_kernels_int8_packed_*_h200.jsonl; experiments/README.md).
+ncu put it at 92% of L1 throughput, and it ran no faster than the f32 kernel though it executed 2.3x fewer
+instructions. The next built magnitudes and sign masks by shifts and masks (~40 integer ops an octet, dp4a(m, x) -
+2 dp4a(m & M, x)); ncu put it at 76% of issue slots and 70% of L1 (results/profiles/ncu_iq2_xxs_int8_35_h100.txt).
+The byte permutes (~20 ops) took V4.1's 4-layer int8 decode from 716.0, 722.1, 719.3 tok/s to 742.1, 722.7, 729.1
+on an H100, the same predictions; a 1 KB grid table already in nibbles saved the spreading and gained no more
+(737.5, 729.8; results/bench_decode_iq2_forms35_v41_4L_h100.jsonl, experiments/README.md).
 
 Q2_K (planar rows only): a sub-block's 16 codes are one word, code u of each byte at bits 2u, so (word >> 2u) &
 0x03030303 holds four codes as bytes, and x is read crumb-major (`_crumb_major`: value 4t + u of a block at
@@ -49,9 +53,6 @@ KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar"
 # Q8_0's step: "packs" (dp4a over a thread's packs of four loaded bytes) or "words" (bytes assembled into words
 # first); read at import, for A/B measurements
 _Q8_0_FORM = os.environ.get("JDS41_INT8_Q8_0_FORM", "packs")
-# IQ2_XXS's octet step: "packed" (`_octets`), "prmt" (`_octets_prmt`, the same tables) or "prmt_nibbles" (its grid
-# table already in selector nibbles, 1 KB); read at import, for A/B measurements
-_IQ2_FORM = os.environ.get("JDS41_INT8_IQ2_FORM", "packed")
 _BYTE_ONES = np.int32(0x01010101)
 # prmt's eight source bytes (first word bytes 0-3, second 4-7): the grid magnitudes 8, 25, 43 at bytes 0-2 and their
 # negatives at bytes 4-6, so selector nibble code + 4 * negative picks a value's signed byte
@@ -143,43 +144,15 @@ def _nibble_signs(s):
     return ((t | (t << 3)) & 0x11111111) << 2
 
 
-def _octets_prmt(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a, prmt, nibbles: bool):
-    """`_octets` by byte permutes: each value's selector nibble is its code plus 4 where negative, and prmt picks
-    its signed byte from `_SIGNED_MAGNITUDES`, so the octet is two dp4a of ready signed words. ~20 integer ops an
-    octet against ~40 for the masks. `nibbles`: the grid table holds the selector nibbles already."""
-    p = codes_ref[idx].astype(jnp.int32)
-    sel = (p if nibbles else _nibble_codes(p)) | _nibble_signs(signs_ref[s7].astype(jnp.int32))
+def _octets(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a, prmt):
+    """The octets' integer dot products from the packed grid (2-bit codes) and sign bytes: each value's selector
+    nibble is its code plus 4 where negative, prmt picks its signed byte from `_SIGNED_MAGNITUDES`, and the octet is
+    two dp4a of those ready signed words."""
+    p = codes_ref[idx].astype(jnp.int32)  # [BO, NB, 8, 4]: value k's code at bits 2k
+    sel = _nibble_codes(p) | _nibble_signs(signs_ref[s7].astype(jnp.int32))
     lo, hi = (jnp.full(p.shape, v, jnp.int32) for v in _SIGNED_MAGNITUDES)
     # sel's top nibble is at most 6, so the arithmetic shift brings values 4-7's selectors down as they are
     return dp4a(prmt(lo, hi, sel >> 16), xh, dp4a(prmt(lo, hi, sel), xl, jnp.zeros_like(p)))
-
-
-def _code_bytes(p):
-    """int32 words whose bits 2k, 2k + 1 (k = 0..3) hold 2-bit codes -> code k in byte k (shifted copies masked)."""
-    a = (p | (p << 12)) & 0x000F000F  # codes 0, 1 at bits 0-3; codes 2, 3 at bits 16-19
-    return (a | (a << 6)) & 0x03030303
-
-
-def _magnitude_bytes(c):
-    """Code bytes (0, 1, 2) -> magnitude bytes (8, 25, 43) = 8 + 17c + (c >> 1); no byte carries."""
-    return c * 17 + 0x08080808 + ((c >> 1) & _BYTE_ONES)
-
-
-def _byte_masks(nibble):
-    """int32 nibbles -> words whose byte k is 0xFF where bit k is set: the product with 0x00204081 moves bit k to
-    bit 8k (its four shifted copies do not overlap, so nothing carries)."""
-    return ((nibble * 0x00204081) & _BYTE_ONES) * 0xFF
-
-
-def _octets(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a):
-    """The octets' integer dot products from the packed grid (2-bit codes) and sign bytes: magnitude words m and
-    negative-byte masks M by arithmetic, then dp4a(m, x) - 2 dp4a(m & M, x) (no byte is ever negated)."""
-    p = codes_ref[idx].astype(jnp.int32)  # [BO, NB, 8, 4]: value k's code at bits 2k
-    signs = signs_ref[s7].astype(jnp.int32)  # value k negative where bit k is set
-    m_lo, m_hi = _magnitude_bytes(_code_bytes(p)), _magnitude_bytes(_code_bytes(p >> 8))
-    whole = dp4a(m_hi, xh, dp4a(m_lo, xl, jnp.zeros_like(p)))
-    neg = dp4a(m_hi & _byte_masks(signs >> 4), xh, dp4a(m_lo & _byte_masks(signs & 15), xl, jnp.zeros_like(p)))
-    return whole - 2 * neg
 
 
 def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, codes_ref, signs_ref, *, octets):
@@ -266,10 +239,6 @@ def _dot_q8_0_words(loaded, x_ref, kx, b, d_ref, *, dp4a):
     return _q8_0_block_sums(isum, scale_bytes, d_ref, kx, b)
 
 
-# IQ2_XXS's grid with code k at bits 4k (`_nibble_codes` of the packed grid), int32 [256]: "prmt_nibbles"' table
-IQ2XXS_NIBBLE_GRID = np.asarray(_nibble_codes(IQ2XXS_PACKED_GRID.astype(np.int32)), np.int32)
-
-
 def _words(q_XI: jax.Array) -> jax.Array:
     """int8 [X, I] -> int32 [X, I / 4], four consecutive values a word (value 4w + k at byte k)."""
     X, n_in = q_XI.shape
@@ -294,13 +263,9 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     x_in = None  # x as the step reads it: words of four values unless set
     if qtype == T.IQ2_XXS:
         load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
-        octets, grid = functools.partial(_octets, dp4a=dp4a), IQ2XXS_PACKED_GRID
-        if _IQ2_FORM in ("prmt", "prmt_nibbles"):
-            octets = functools.partial(_octets_prmt, dp4a=dp4a, prmt=_prmt_plain if interpret else _prmt_asm,
-                                       nibbles=_IQ2_FORM == "prmt_nibbles")
-            grid = IQ2XXS_NIBBLE_GRID if _IQ2_FORM == "prmt_nibbles" else grid
+        octets = functools.partial(_octets, dp4a=dp4a, prmt=_prmt_plain if interpret else _prmt_asm)
         dot = functools.partial(_dot_iq2_xxs_int8, octets=octets)
-        extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), grid, tm.IQ2XXS_SIGN_BYTES))
+        extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
     elif qtype == T.Q8_0 and _Q8_0_FORM == "packs":
         load = functools.partial(tm._load_q8_0, n_in=n_in)  # the f32 kernel's load: bytes [BO, NB, 32], scales
         dot = functools.partial(_dot_q8_0_packs, dp4a_packs=_dp4a_packs_plain if interpret else _dp4a_packs_asm)
