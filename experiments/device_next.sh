@@ -34,12 +34,11 @@
 #                                             # step that way); AB_ON2 adds a third arm; rounds while
 #                                             # time allows, then one profile an arm, ~8 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
-#                                             # (llama.cpp 337 tok/s), last measured at 00bd37d: defaults, then the
+#                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
-#     queued: V4_ON="XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,\
-#     DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL" (XLA's default command buffer types plus WHILE and CONDITIONAL: the
-#     decode loop as one CUDA graph with conditional nodes, no host copy of the loop's predicate a token; V4 has no
-#     Engram host call in the loop, which kept V4.1's loop off the graph in `cmdbuf`), same predictions expected
+#     V4_ON's assignments are split at spaces, so no value can hold one. Run at e8e7bb3 on an H100 with
+#     V4_ON="XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,\
+#     DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL": 456.0 against 450.8 tok/s, the same predictions
 #
 # The device machine lacks gguf: carry .whl (the gguf wheel, device README) and this script installs it first.
 # The tree that travels to it is limited to 64 MiB in all, and the small model's shards (checkpoints/
