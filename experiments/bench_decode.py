@@ -108,13 +108,14 @@ def kernel_ab() -> dict:
     JDS41_MEASURED_TILES: quant/triton_matvec.py), whether Q2_K stacks are regrouped (JDS41_PLANAR_Q2K:
     quant/planar.py), the formats the "int8" numerics rounds for, its Q8_0 step and its two-bit loads
     (JDS41_INT8_Q8_0, JDS41_INT8_Q8_0_FORM, JDS41_INT8_WORD_LOADS: quant/int8_act.py, quant/triton_int8.py),
-    whether its rounding is one Triton launch
-    (JDS41_INT8_ROUND_KERNEL: quant/int8_round_kernel.py), whether a gate and an up product share a launch
-    (JDS41_SHARED_LAUNCH: quant/qtensor.py), whether the router's top-K is the Triton program (JDS41_TOPK_KERNEL:
-    layers/topk_kernel.py) and whether attention is (JDS41_ATTN_KERNEL: layers/attention_kernel.py)."""
+    whether its rounding is one Triton launch (JDS41_INT8_ROUND_KERNEL: quant/int8_round_kernel.py), whether a gate
+    and an up product share a launch (JDS41_SHARED_LAUNCH: quant/qtensor.py), whether the router's top-K is the
+    Triton program (JDS41_TOPK_KERNEL: layers/topk_kernel.py), whether attention is (JDS41_ATTN_KERNEL:
+    layers/attention_kernel.py) and whether V4.1's sublayer inputs are (JDS41_MHC_KERNEL:
+    layers/mhc_input_kernel.py)."""
     from gguf import GGMLQuantizationType as T
 
-    from jds41.layers import attention_kernel, topk_kernel
+    from jds41.layers import attention_kernel, mhc_input_kernel, topk_kernel
     from jds41.quant import int8_act, int8_round_kernel, planar, qtensor, triton_int8, triton_matvec
 
     return {"kernel_prefetch": sorted(t.name for t in triton_matvec.PREFETCH),
@@ -123,7 +124,8 @@ def kernel_ab() -> dict:
             "int8_types": sorted(t.name for t in int8_act.INT8_TYPES), "int8_q8_0_form": triton_int8._Q8_0_FORM,
             "int8_word_loads": triton_int8._WORD_LOADS,
             "int8_round_kernel": int8_round_kernel.ENABLED, "shared_launch": qtensor._SHARED_LAUNCH,
-            "topk_kernel": topk_kernel.ENABLED, "attn_kernel": attention_kernel.ENABLED}
+            "topk_kernel": topk_kernel.ENABLED, "attn_kernel": attention_kernel.ENABLED,
+            "mhc_kernel": mhc_input_kernel.ENABLED}
 
 
 def _machine() -> str:

@@ -33,11 +33,13 @@
 #                                             # launch on Hopper by default, llama.cpp overlaps its ~1,100 kernels a
 #                                             # step that way); AB_ON2 adds a third arm; rounds while
 #                                             # time allows, then one profile an arm, ~8 min
-#   bash experiments/device_next.sh words     # the int8 IQ2_XXS and Q2_K steps reading planar rows as int32 words
-#                                             # (JDS41_INT8_WORD_LOADS=1: one load a word where the bytes took four
-#                                             # loads and six ops; an IQ2_XXS group's two words took eight loads)
-#                                             # against the bytes: GPU tests,
-#                                             # both products alone, V4.1 int8 decode rounds, ~7 min
+#   bash experiments/device_next.sh words-mhc # two switches of the thirty-fifth session: the int8 IQ2_XXS and
+#                                             # Q2_K steps reading planar rows as int32 words (JDS41_INT8_WORD_LOADS
+#                                             # =1: one load a word where bytes took four loads and six ops) and
+#                                             # V4.1's sublayer inputs as two launches (JDS41_MHC_KERNEL=1, layers/
+#                                             # mhc_input_kernel.py, against XLA's eleven): GPU tests (gpu_paths with
+#                                             # both on), both products alone, decode rounds of the three arms, a
+#                                             # profile with the mHC kernels, ~8 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -150,24 +152,30 @@ case "${1:-}" in
       read -r -a e <<<"$arm"; env "${e[@]}" python3 experiments/profile_decode.py "${prof[@]}"
     done
     if (( SECONDS < 500 )); then python3 experiments/profile_decode.py "${prof[@]}"; fi ;;
-  words)  # the int8 two-bit steps reading their rows as int32 words (JDS41_INT8_WORD_LOADS=1) against bytes
-    # assembled into words: GPU tests, both expert products alone (two rounds), V4.1 int8 decode rounds
-    python3 -m pytest -q -m gpu -rf --tb=line tests/test_int8_numerics.py -k "word_loads or compiled_int8" 2>&1 \
-      | tail -15 | tee "$OUT/word_loads_tests.txt"
-    for round in 1 2; do
-      for on in 0 1; do  # a form that fails to build costs its rows, not the call
-        JDS41_INT8_WORD_LOADS=$on python3 experiments/bench_kernels.py --shapes v41-experts-gate-up,v41-experts-down \
-          --out "$OUT/bench_kernels_word_loads.jsonl" || true
-      done
+  words-mhc)  # two switches built in the thirty-fifth session, off until this: the int8 two-bit steps reading rows
+    # as int32 words (JDS41_INT8_WORD_LOADS=1) and V4.1's sublayer inputs as two launches (JDS41_MHC_KERNEL=1)
+    python3 -m pytest -q -m gpu -rf --tb=line tests/test_int8_numerics.py tests/test_mhc_input_kernel.py \
+      -k "word_loads or compiled_int8 or compiled_kernels" 2>&1 | tail -8 | tee "$OUT/words_mhc_tests.txt" || true
+    JDS41_INT8_WORD_LOADS=1 JDS41_MHC_KERNEL=1 timeout 150 python3 -m pytest -q -rf --tb=line tests/test_gpu_paths.py \
+      2>&1 | tail -8 | tee -a "$OUT/words_mhc_tests.txt" || true
+    for on in 0 1; do  # a form that fails to build costs its rows, not the call
+      JDS41_INT8_WORD_LOADS=$on python3 experiments/bench_kernels.py --shapes v41-experts-gate-up,v41-experts-down \
+        --out "$OUT/bench_kernels_word_loads.jsonl" || true
     done
+    arms=("" "JDS41_INT8_WORD_LOADS=1" "JDS41_MHC_KERNEL=1")
     rounds=0
-    while (( rounds < 1 || SECONDS < ${WORDS_DECODE_UNTIL_S:-400} )); do
-      for on in 0 1; do
-        JDS41_INT8_WORD_LOADS=$on python3 experiments/bench_decode.py "${V41_DECODE[@]}" \
-          --out "$OUT/bench_decode_word_loads_v41_4L.jsonl" || true
+    while (( rounds < 1 || SECONDS < ${WM_DECODE_UNTIL_S:-400} )); do
+      for arm in "${arms[@]}"; do
+        read -r -a e <<<"$arm"
+        env "${e[@]}" python3 experiments/bench_decode.py "${V41_DECODE[@]}" \
+          --out "$OUT/bench_decode_words_mhc_v41_4L.jsonl" || true
       done
       rounds=$((rounds + 1))
-    done ;;
+    done
+    if (( SECONDS < 480 )); then
+      JDS41_MHC_KERNEL=1 python3 experiments/profile_decode.py "${V41_PROFILE[@]}" \
+        --out "$OUT/profile_decode_mhc_v41_4L.jsonl" || true
+    fi ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
@@ -176,6 +184,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|words|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|words-mhc|v4" >&2
     exit 2 ;;
 esac

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jds41.config import ModelConfig
-from jds41.layers import attention, compressor, indexer
+from jds41.layers import attention, compressor, indexer, mhc_input_kernel
 from jds41.layers.compressor import CompressorSpec
 from jds41.layers.engram import engram_combine
 from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_onehot_pre, hc_split
@@ -243,10 +243,18 @@ def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H):
     """One row's sublayer input from the stream x [H, D]: (h [D] its normed input, pre, post, comb), every path's
     (decode, prefill, layer-major groups, verify rows). The collapse takes the handed-over `pre_prev_H` (V4.1's lag)
     or this sublayer's own pre (V4). (Two fused Triton forms of this chain ran slower than XLA's ten kernels on the
-    H200: experiments/README.md, twenty-fourth session.)"""
-    pre, post, comb = _sublayer_mix(cfg, w, branch, x_HD)
-    h = rms_norm(hc_collapse(x_HD, pre_prev_H if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
-    return h, pre, post, comb
+    H200: experiments/README.md, twenty-fourth session; under the lag, JDS41_MHC_KERNEL=1 takes
+    layers/mhc_input_kernel.py's two launches on CUDA, off until measured.)"""
+    def xla(x_HD, pre_prev_H):
+        pre, post, comb = _sublayer_mix(cfg, w, branch, x_HD)
+        h = rms_norm(hc_collapse(x_HD, pre_prev_H if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
+        return h, pre, post, comb
+
+    if cfg.hc_lag and mhc_input_kernel.applies(cfg.hc_mult, cfg.dim, cfg.hc_mix):
+        return mhc_input_kernel.sublayer_input(
+            x_HD, pre_prev_H, w[f"hc_{branch}_fn"], w[f"hc_{branch}_scale"], w[f"hc_{branch}_base"],
+            w[f"{branch}_norm"], rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, default=xla)
+    return xla(x_HD, pre_prev_H)
 
 
 def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows: jax.Array | None,

@@ -7,7 +7,8 @@ host, SSD through a 2-slot cache) gives the resident logits bit for bit and the 
 gives the step loop's tokens; drafting gives plain greedy decode's tokens, at decode width 1 and at width 4 (the
 vmapped kernel); the wide prompt pass keeps its bits for any cut. Against the XLA engine in this process (the
 reference path): the same logits to f32 rounding, and not the same bits (the kernel really ran). The "attention"
-case runs the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1) under the same promises.
+case runs the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1) under the same promises, and
+the "mhc" case the sublayer inputs' kernels (layers/mhc_input_kernel.py, JDS41_MHC_KERNEL=1).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from jds41.speculative import DSparkDrafter, SpeculativeSession
 
 model, profile, out = sys.argv[1:4]
 toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
-from jds41.layers import attention_kernel
-res = {"interpret": triton_matvec.INTERPRET, "attention_kernel": attention_kernel.applies(32)}
+from jds41.layers import attention_kernel, mhc_input_kernel
+res = {"interpret": triton_matvec.INTERPRET, "attention_kernel": attention_kernel.applies(32),
+       "mhc_kernel": mhc_input_kernel.applies(4, 64, 24)}
 e = Engine.open(model, max_ctx=128, prefill_chunk=16)
 want = e.session().feed(toks, all_logits=True)
 np.save(out, want)
@@ -64,8 +66,9 @@ print(json.dumps(res))
 """
 
 
-# "attention": the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1), vmapped at width 4
-@pytest.mark.parametrize("kernels", ["products", "attention"])
+# "attention": the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1), vmapped at width 4;
+# "mhc": the sublayer inputs' kernels too (layers/mhc_input_kernel.py, JDS41_MHC_KERNEL=1)
+@pytest.mark.parametrize("kernels", ["products", "attention", "mhc"])
 def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
     model = str(synthetic_model("deepseek41", "tiny", "mxfp4", draft_stages=2))
     profile = tmp_path / "split3.json"
@@ -73,12 +76,14 @@ def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_p
     out = tmp_path / "kernel_logits.npy"
     env = {**os.environ, "JDS41_TRITON": "interpret", "JAX_PLATFORMS": "cpu",
            "JDS41_ATTN_KERNEL": "1" if kernels == "attention" else "0",
+           "JDS41_MHC_KERNEL": "1" if kernels == "mhc" else "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", ENGINE_RUN, model, str(profile), str(out)], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=1100)
     assert res.returncode == 0, res.stderr[-4000:]
     checks = json.loads(res.stdout.strip().splitlines()[-1])
-    assert checks == {"interpret": True, "attention_kernel": kernels == "attention", "tiered_logits_equal": True,
+    assert checks == {"interpret": True, "attention_kernel": kernels == "attention", "mhc_kernel": kernels == "mhc",
+                      "tiered_logits_equal": True,
                       "tiered_tokens_equal": True, "device_loop_equal": True, "draft_equal": True,
                       "width4_draft_equal": True, "wide_cut_equal": True}, checks
     kernel = np.load(out)

@@ -33,11 +33,9 @@ from jds41.quant import triton_matvec
 H = 4  # hyper-connection copies: the only count the validated configs allow
 
 
-def _kernel(l_ref, o_ref, *, eps: float, iters: int):
-    i = pl.program_id(0)
-    at = jnp.arange(H, dtype=jnp.int32)[:, None] * H + jnp.arange(H, dtype=jnp.int32)[None, :]  # [src, dst]
+def normalise(lg, eps: float, iters: int):
+    """Inside a kernel: the comb [H, H] of one row's logits [src, dst] (also layers/mhc_input_kernel.py's)."""
     eps, one = jnp.float32(eps), jnp.float32(1)
-    lg = l_ref[i, at]
     e = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
     c = e * (one / jnp.sum(e, axis=1, keepdims=True)) + eps  # softmax over dst, + hc_eps
     cols = lambda c: c * (one / (jnp.sum(c, axis=0, keepdims=True) + eps))  # noqa: E731
@@ -45,7 +43,13 @@ def _kernel(l_ref, o_ref, *, eps: float, iters: int):
     c = cols(c)
     for _ in range(iters - 1):
         c = cols(rows(c))
-    o_ref[i, at] = c
+    return c
+
+
+def _kernel(l_ref, o_ref, *, eps: float, iters: int):
+    i = pl.program_id(0)
+    at = jnp.arange(H, dtype=jnp.int32)[:, None] * H + jnp.arange(H, dtype=jnp.int32)[None, :]  # [src, dst]
+    o_ref[i, at] = normalise(l_ref[i, at], eps, iters)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "iters", "interpret"))

@@ -1,0 +1,150 @@
+"""A V4.1 sublayer's input (model.sublayer_input under the mHC lag) as two Pallas (Triton) launches on the GPU.
+
+Why (experiments/README.md, thirty-fourth session): XLA runs a sublayer's input from its stream x [H, D] (the
+stream's RMS, the mix fn @ x, the split, the Sinkhorn kernel, the collapse, the norm) as eleven kernels of 1-3.3 us,
+~17 us a sublayer and ~35 us of a plain layer's ~230. Two fused Triton forms lost before (twenty-fourth session):
+each read the 1 MB `fn` or the 80 KB stream in 24-32 programs, and one program collapsed the whole stream, at
+~13 GB/s a program. Under V4.1's lag the collapse needs only the pre handed over by the previous sublayer, so here
+everything that reads the stream or `fn` is spread over D / COLS programs, and the one program left reads ~50 KB:
+
+1. `_partials` (grid rows x D / COLS): a program takes COLS columns of every copy: y = sum_i pre_prev_i x_i (the
+   collapse, in the reference's order), the columns' share of fn @ x (24 values) and of sum x^2.
+2. `_finish` (one program a row): the shares summed in program order, mix = (fn @ x) * rsqrt(mean(x^2) + eps) (the
+   reference normalises x first: the same value to f32 rounding), the split (sigmoid, 2 sigmoid, Sinkhorn by
+   sinkhorn_kernel.normalise) and h = y * rsqrt(mean(y^2) + eps) * norm.
+
+Each row's arithmetic does not depend on the rows around it (a program reads one row), so decode, verification and
+prefill rows agree exactly on CUDA, as with every kernel here; against the XLA spelling (the reference, every other
+platform) they agree to f32 rounding. Off unless JDS41_MHC_KERNEL=1 (read at import) until measured on the GPU box
+(experiments/device_next.sh mhc); JDS41_TRITON=interpret runs it in Pallas' interpreter on every platform
+(tests/test_mhc_input_kernel.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jds41.layers import sinkhorn_kernel
+from jds41.quant import triton_matvec
+
+H = sinkhorn_kernel.H
+COLS = 32  # stream columns of every copy a `_partials` program takes: 160 programs at V4.1's D = 5120
+PAD = 32  # a program's shares: the mix's (2 + H) H = 24 rows, then sum x^2 at slot MIX, zeros to a power of two
+MIX = (2 + H) * H
+ENABLED = os.environ.get("JDS41_MHC_KERNEL", "0") == "1"
+
+
+def _ar(n: int) -> jax.Array:
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int):
+    n, p = pl.program_id(0), pl.program_id(1)
+    cols, slot = p * COLS + _ar(COLS), _ar(PAD)
+    fn_row = jnp.minimum(slot, MIX - 1)[:, None]  # rows past the mix read its last row again; their sums are dropped
+    x = [x_ref[n, i, cols] for i in range(H)]  # [COLS] each
+    y = pre_ref[n, 0] * x[0]
+    for i in range(1, H):  # hc_collapse's order
+        y = y + pre_ref[n, i] * x[i]
+    dots = squares = None
+    for i in range(H):  # copy by copy: fn's columns i D + c meet x[i, c]
+        dot = jnp.sum(fn_ref[fn_row, i * d + cols[None, :]].astype(jnp.float32) * x[i][None, :], axis=1)
+        square = jnp.sum(x[i] * x[i])
+        dots, squares = (dot, square) if dots is None else (dots + dot, squares + square)
+    y_ref[n, cols] = y
+    part_ref[n, p, slot] = jnp.where(slot < MIX, dots, jnp.where(slot == MIX, squares, jnp.float32(0)))
+
+
+def _finish(part_ref, y_ref, scale_ref, base_ref, norm_ref, h_ref, pre_ref, post_ref, comb_ref, *, d: int,
+            programs: int, rms_eps: float, hc_eps: float, iters: int):
+    n = pl.program_id(0)
+    one, slot = jnp.float32(1), _ar(PAD)
+    at = _ar(_pow2(programs))
+    shares = part_ref[n, jnp.minimum(at, programs - 1)[:, None], slot[None, :]]  # [P', PAD]
+    sums = jnp.sum(jnp.where((at < programs)[:, None], shares, jnp.float32(0)), axis=0)  # [PAD]
+    squares = jnp.sum(jnp.where(slot == MIX, sums, jnp.float32(0)))
+    mix = sums * lax.rsqrt(squares / jnp.float32(H * d) + jnp.float32(rms_eps))
+
+    def pick(at_):  # mix values at the int32 slots `at_` (any shape), by masked sums over the slots
+        hit = at_[..., None] == slot
+        return jnp.sum(jnp.where(hit, mix, jnp.float32(0)), axis=-1)
+
+    sigmoid = lambda z: one / (one + jnp.exp(-z))  # noqa: E731
+    h_at, src_dst = _ar(H), _ar(H)[:, None] * H + _ar(H)[None, :]
+    pre_ref[n, h_at] = sigmoid(pick(h_at) * scale_ref[0] + base_ref[h_at]) + jnp.float32(hc_eps)
+    post_ref[n, h_at] = 2 * sigmoid(pick(H + h_at) * scale_ref[1] + base_ref[H + h_at])
+    logits = pick(2 * H + src_dst) * scale_ref[2] + base_ref[2 * H + src_dst]
+    comb_ref[n, src_dst] = sinkhorn_kernel.normalise(logits, hc_eps, iters)
+    col = _ar(_pow2(d))
+    inside, at_y = col < d, jnp.minimum(col, d - 1)  # columns past D read and write column D - 1 again, unchanged
+    y = y_ref[n, at_y]
+    rms = lax.rsqrt(jnp.sum(jnp.where(inside, y * y, jnp.float32(0))) / jnp.float32(d) + jnp.float32(rms_eps))
+    h_ref[n, at_y] = y * rms * norm_ref[at_y]
+
+
+@functools.partial(jax.jit, static_argnames=("rms_eps", "hc_eps", "iters", "interpret"))
+def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, rms_eps: float, hc_eps: float,
+                        iters: int, interpret: bool = False):
+    """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D] under the lag."""
+    N, _, d = x_NHD.shape
+    programs = d // COLS
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    x_NHD, pre_prev_NH, scale_3, base_M, norm_D = map(f32, (x_NHD, pre_prev_NH, scale_3, base_M, norm_D))
+    params = lambda warps: None  # noqa: E731
+    if interpret:  # interpreted, a kernel is XLA:CPU code inlined into its caller: keep its rounding its own
+        x_NHD, pre_prev_NH = lax.optimization_barrier((x_NHD, pre_prev_NH))
+    else:
+        from jax.experimental.pallas import triton as plgpu
+
+        params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=1)  # noqa: E731
+    y, parts = pl.pallas_call(
+        functools.partial(_partials, d=d), grid=(N, programs), compiler_params=params(4), interpret=interpret,
+        out_shape=(jax.ShapeDtypeStruct((N, d), jnp.float32), jax.ShapeDtypeStruct((N, programs, PAD), jnp.float32)),
+        name="mhc_input_partials",
+    )(x_NHD, fn_MK, pre_prev_NH)
+    out = pl.pallas_call(
+        functools.partial(_finish, d=d, programs=programs, rms_eps=float(rms_eps), hc_eps=float(hc_eps),
+                          iters=int(iters)),
+        grid=(N,), compiler_params=params(8), interpret=interpret, name="mhc_input_finish",
+        out_shape=(jax.ShapeDtypeStruct((N, d), jnp.float32), jax.ShapeDtypeStruct((N, H), jnp.float32),
+                   jax.ShapeDtypeStruct((N, H), jnp.float32), jax.ShapeDtypeStruct((N, H * H), jnp.float32)),
+    )(parts, y, scale_3, base_M, norm_D)
+    h, pre, post, comb = lax.optimization_barrier(out) if interpret else out
+    return h, pre, post, comb.reshape(N, H, H)
+
+
+def applies(hc: int, d: int, mix_width: int) -> bool:
+    """Whether `sublayer_input` runs the kernels: switched on, Pallas' Triton backend or the interpreter, H = 4
+    copies, D a multiple of COLS, a (2 + H) H mix."""
+    return (ENABLED and hc == H and d % COLS == 0 and mix_width == MIX and triton_matvec.ENABLED
+            and (triton_matvec.has_triton_backend() or triton_matvec.INTERPRET))
+
+
+def sublayer_input(x_HD, pre_prev_H, fn_MK, scale_3, base_M, norm_D, *, rms_eps: float, hc_eps: float, iters: int,
+                   default):
+    """One row's (h, pre, post, comb) (leading axes allowed): the kernels on CUDA (or interpreted), else
+    `default(x_HD, pre_prev_H)`, the XLA spelling."""
+    lead, (hc, d) = x_HD.shape[:-2], x_HD.shape[-2:]
+    x_NHD, pre_NH = x_HD.reshape(-1, hc, d), jnp.reshape(pre_prev_H, (-1, hc))
+    run = functools.partial(sublayer_input_rows, fn_MK=fn_MK, scale_3=scale_3, base_M=base_M, norm_D=norm_D,
+                            rms_eps=rms_eps, hc_eps=hc_eps, iters=iters)
+
+    def xla(x, pre):
+        return jax.vmap(default)(x, pre)
+
+    if triton_matvec.INTERPRET:
+        out = run(x_NHD, pre_NH, interpret=True)
+    else:
+        out = lax.platform_dependent(x_NHD, pre_NH, cuda=run, default=xla)
+    h, pre, post, comb = out
+    return h.reshape(*lead, d), pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc)

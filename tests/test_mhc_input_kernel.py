@@ -1,0 +1,133 @@
+"""A V4.1 sublayer's input as two Triton launches (jds41/layers/mhc_input_kernel.py, JDS41_MHC_KERNEL=1).
+
+On every machine: the kernels in Pallas' interpreter against the XLA spelling (layers/mhc.py's mix, split and
+collapse, layers/norm.py's norm: the reference) and a float64 numpy re-derivation of MODEL.md §2.1; each row's
+result does not depend on the rows around it (alone, in a block, permuted, under vmap); switched on, V4.1's
+`model.sublayer_input` lowers to the kernels for CUDA only, and switched off it does not. On a GPU (marker `gpu`):
+the compiled kernels against the XLA spelling at V4.1's shape, and a row alone against the same row in a block.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jds41 import model
+from jds41.layers import mhc_input_kernel
+from jds41.layers.mhc import hc_collapse, hc_mix, hc_split
+from jds41.layers.mhc_input_kernel import sublayer_input_rows
+from jds41.layers.norm import rms_norm
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+RMS_EPS, HC_EPS = 1e-6, 1e-6
+
+
+def _inputs(n: int, d: int, seed: int = 0):
+    """Streams [n, 4, d], handed-over pres [n, 4], fn [24, 4d], scale [3], base [24], norm [d] at V4.1-like scales."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n, 4, d)) * rng.uniform(0.2, 5, (n, 1, 1))).astype(np.float32)
+    pre = rng.uniform(0.05, 1.0, (n, 4)).astype(np.float32)
+    fn = (rng.standard_normal((24, 4 * d)) / np.sqrt(4 * d)).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, 3).astype(np.float32)
+    base = rng.standard_normal(24).astype(np.float32)
+    norm = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    return x, pre, fn, scale, base, norm
+
+
+def _xla(x, pre_prev, fn, scale, base, norm, iters):
+    """The reference: mhc's XLA spelling, row by row."""
+    def row(x_HD, p):
+        pre, post, comb = hc_split(hc_mix(x_HD, fn, RMS_EPS), scale, base, HC_EPS, iters)
+        return rms_norm(hc_collapse(x_HD, p), norm, RMS_EPS), pre, post, comb
+    return jax.jit(jax.vmap(row))(jnp.asarray(x), jnp.asarray(pre_prev))
+
+
+def _numpy(x, pre_prev, fn, scale, base, norm, iters):
+    """MODEL.md §2.1 in float64: RMS-normalised flat stream, the mix, the split with Sinkhorn, the lagged collapse."""
+    x, pre_prev, fn, scale, base, norm = (np.asarray(a, np.float64) for a in (x, pre_prev, fn, scale, base, norm))
+    n = x.shape[0]
+    flat = x.reshape(n, -1)
+    mix = (flat / np.sqrt((flat ** 2).mean(1, keepdims=True) + RMS_EPS)) @ fn.T  # [n, 24]
+    sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
+    pre = sig(mix[:, :4] * scale[0] + base[:4]) + HC_EPS
+    post = 2 * sig(mix[:, 4:8] * scale[1] + base[4:8])
+    lg = (mix[:, 8:] * scale[2] + base[8:]).reshape(n, 4, 4)
+    e = np.exp(lg - lg.max(-1, keepdims=True))
+    c = e / e.sum(-1, keepdims=True) + HC_EPS
+    c = c / (c.sum(-2, keepdims=True) + HC_EPS)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdims=True) + HC_EPS)
+        c = c / (c.sum(-2, keepdims=True) + HC_EPS)
+    y = np.einsum("nh,nhd->nd", pre_prev, x)
+    h = y / np.sqrt((y ** 2).mean(1, keepdims=True) + RMS_EPS) * norm
+    return h, pre, post, c
+
+
+def _kernel(args, iters):
+    x, pre_prev, fn, scale, base, norm = args
+    return sublayer_input_rows(jnp.asarray(x), jnp.asarray(pre_prev), jnp.asarray(fn), jnp.asarray(scale),
+                               jnp.asarray(base), jnp.asarray(norm), rms_eps=RMS_EPS, hc_eps=HC_EPS, iters=iters,
+                               interpret=True)
+
+
+def test_the_interpreted_kernels_equal_the_xla_spelling_and_a_float64_rederivation():
+    args = _inputs(3, 128)
+    got = [np.asarray(a) for a in _kernel(args, 20)]
+    for name, g, x, ref in zip(("h", "pre", "post", "comb"), got, _xla(*args, 20), _numpy(*args, 20)):
+        scale = np.abs(ref).max()
+        np.testing.assert_allclose(g, np.asarray(x), rtol=0, atol=2e-6 * scale, err_msg=name)
+        np.testing.assert_allclose(g, ref, rtol=0, atol=2e-6 * scale, err_msg=name)
+    # the kernels really ran: the mix is summed in another order (fn @ x, then the RMS), so its bits differ
+    assert not all(np.array_equal(g, np.asarray(x)) for g, x in zip(got, _xla(*args, 20)))
+
+
+def test_a_rows_input_does_not_depend_on_the_rows_around_it():
+    iters = 3  # the property does not depend on Sinkhorn's round count; fewer rounds run faster interpreted
+    args = _inputs(5, 64, seed=1)
+    block = [np.asarray(a) for a in _kernel(args, iters)]
+    perm = np.array([3, 0, 4, 1, 2])
+    for got, want in zip(_kernel([args[0][perm], args[1][perm], *args[2:]], iters), block):
+        np.testing.assert_array_equal(np.asarray(got), want[perm])
+    for r in (0, 4):
+        alone = _kernel([args[0][r:r + 1], args[1][r:r + 1], *args[2:]], iters)
+        for got, want in zip(alone, block):
+            np.testing.assert_array_equal(np.asarray(got)[0], want[r])
+    x, pre_prev, fn, scale, base, norm = (jnp.asarray(a) for a in args)
+    vm = jax.vmap(lambda xr, pr: _kernel([xr[None], pr[None], fn, scale, base, norm], iters))(x, pre_prev)
+    for got, want in zip(vm, block):
+        np.testing.assert_array_equal(np.asarray(got)[:, 0], want)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_v41s_sublayer_input_lowers_to_the_kernels_on_cuda_only_when_switched_on(monkeypatch, enabled):
+    monkeypatch.setattr(mhc_input_kernel, "ENABLED", enabled)
+    d = 64
+    cfg = type("Cfg", (), {"hc_lag": True, "hc_mult": 4, "dim": d, "hc_mix": 24, "rms_eps": RMS_EPS,
+                           "hc_eps": HC_EPS, "hc_sinkhorn_iters": 3})()
+    _, _, fn, scale, base, norm = _inputs(1, d)
+    w = {"hc_attn_fn": fn, "hc_attn_scale": scale, "hc_attn_base": base, "attn_norm": norm}
+    x = jax.ShapeDtypeStruct((4, d), jnp.float32)
+    p = jax.ShapeDtypeStruct((4,), jnp.float32)
+    run = lambda x_HD, pre: model.sublayer_input(cfg, w, "attn", x_HD, pre)  # noqa: E731
+    for platform, sinkhorn_only in (("cuda", not enabled), ("cpu", None)):
+        text = jax.jit(run).trace(x, p).lower(lowering_platforms=(platform,)).as_text()
+        if platform == "cpu":
+            assert TRITON_CALL not in text
+        else:  # switched off, the only Triton call is hc_split's Sinkhorn kernel
+            assert ("mhc_input_partials" in text) is enabled and (TRITON_CALL in text)
+            assert ("mhc_sinkhorn" in text) is sinkhorn_only
+
+
+@pytest.mark.gpu
+def test_the_compiled_kernels_agree_with_the_xla_spelling_on_the_gpu():
+    args = _inputs(4, 5120, seed=2)
+    run = lambda a: sublayer_input_rows(*(jnp.asarray(v) for v in a), rms_eps=RMS_EPS, hc_eps=HC_EPS,  # noqa: E731
+                                        iters=20)
+    got = [np.asarray(a) for a in run(args)]
+    for name, g, x in zip(("h", "pre", "post", "comb"), got, _xla(*args, 20)):
+        np.testing.assert_allclose(g, np.asarray(x), rtol=0, atol=1e-5 * np.abs(np.asarray(x)).max(), err_msg=name)
+    alone = run([args[0][2:3], args[1][2:3], *args[2:]])
+    for g, a in zip(got, alone):
+        np.testing.assert_array_equal(np.asarray(a)[0], g[2])
