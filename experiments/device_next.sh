@@ -36,7 +36,7 @@
 #   bash experiments/device_next.sh words-mhc # two switches of the thirty-fifth session: the int8 IQ2_XXS and
 #                                             # Q2_K steps reading planar rows as int32 words (JDS41_INT8_WORD_LOADS
 #                                             # =1: one load a word where bytes took four loads and six ops) and
-#                                             # V4.1's sublayer inputs as two launches (JDS41_MHC_KERNEL=1, layers/
+#                                             # V4.1's sublayer inputs as three launches (JDS41_MHC_KERNEL=1, layers/
 #                                             # mhc_input_kernel.py, against XLA's eleven): GPU tests (gpu_paths with
 #                                             # both on), both products alone, decode rounds of the three arms, a
 #                                             # profile with the mHC kernels, ~8 min
@@ -153,7 +153,7 @@ case "${1:-}" in
     done
     if (( SECONDS < 500 )); then python3 experiments/profile_decode.py "${prof[@]}"; fi ;;
   words-mhc)  # two switches built in the thirty-fifth session, off until this: the int8 two-bit steps reading rows
-    # as int32 words (JDS41_INT8_WORD_LOADS=1) and V4.1's sublayer inputs as two launches (JDS41_MHC_KERNEL=1)
+    # as int32 words (JDS41_INT8_WORD_LOADS=1) and V4.1's sublayer inputs as three launches (JDS41_MHC_KERNEL=1)
     python3 -m pytest -q -m gpu -rf --tb=line tests/test_int8_numerics.py tests/test_mhc_input_kernel.py \
       -k "word_loads or compiled_int8 or compiled_kernels" 2>&1 | tail -8 | tee "$OUT/words_mhc_tests.txt" || true
     JDS41_INT8_WORD_LOADS=1 JDS41_MHC_KERNEL=1 timeout 150 python3 -m pytest -q -rf --tb=line tests/test_gpu_paths.py \

@@ -244,7 +244,7 @@ def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H):
     (decode, prefill, layer-major groups, verify rows). The collapse takes the handed-over `pre_prev_H` (V4.1's lag)
     or this sublayer's own pre (V4). (Two fused Triton forms of this chain ran slower than XLA's ten kernels on the
     H200: experiments/README.md, twenty-fourth session; under the lag, JDS41_MHC_KERNEL=1 takes
-    layers/mhc_input_kernel.py's two launches on CUDA, off until measured.)"""
+    layers/mhc_input_kernel.py's three launches on CUDA, off until measured.)"""
     def xla(x_HD, pre_prev_H):
         pre, post, comb = _sublayer_mix(cfg, w, branch, x_HD)
         h = rms_norm(hc_collapse(x_HD, pre_prev_H if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)

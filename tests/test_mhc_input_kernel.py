@@ -1,6 +1,6 @@
-"""A V4.1 sublayer's input as two Triton launches (jds41/layers/mhc_input_kernel.py, JDS41_MHC_KERNEL=1).
+"""A V4.1 sublayer's input as three Triton launches (jds41/layers/mhc_input_kernel.py, JDS41_MHC_KERNEL=1).
 
-On every machine: the kernels in Pallas' interpreter against the XLA spelling (layers/mhc.py's mix, split and
+On every machine: the three kernels in Pallas' interpreter against the XLA spelling (layers/mhc.py's mix, split and
 collapse, layers/norm.py's norm: the reference) and a float64 numpy re-derivation of MODEL.md §2.1; each row's
 result does not depend on the rows around it (alone, in a block, permuted, under vmap); switched on, V4.1's
 `model.sublayer_input` lowers to the kernels for CUDA only, and switched off it does not. On a GPU (marker `gpu`):
@@ -73,7 +73,7 @@ def _kernel(args, iters):
 
 
 def test_the_interpreted_kernels_equal_the_xla_spelling_and_a_float64_rederivation():
-    args = _inputs(3, 128)
+    args = _inputs(3, 384)  # three `_partials` programs of 128 columns
     got = [np.asarray(a) for a in _kernel(args, 20)]
     for name, g, x, ref in zip(("h", "pre", "post", "comb"), got, _xla(*args, 20), _numpy(*args, 20)):
         scale = np.abs(ref).max()
@@ -85,7 +85,7 @@ def test_the_interpreted_kernels_equal_the_xla_spelling_and_a_float64_rederivati
 
 def test_a_rows_input_does_not_depend_on_the_rows_around_it():
     iters = 3  # the property does not depend on Sinkhorn's round count; fewer rounds run faster interpreted
-    args = _inputs(5, 64, seed=1)
+    args = _inputs(5, 192, seed=1)  # three programs of 64 columns
     block = [np.asarray(a) for a in _kernel(args, iters)]
     perm = np.array([3, 0, 4, 1, 2])
     for got, want in zip(_kernel([args[0][perm], args[1][perm], *args[2:]], iters), block):

@@ -1,28 +1,31 @@
-"""A V4.1 sublayer's input (model.sublayer_input under the mHC lag) as two Pallas (Triton) launches on the GPU.
+"""A V4.1 sublayer's input (model.sublayer_input under the mHC lag) as three Pallas (Triton) launches on the GPU.
 
 Why (experiments/README.md, thirty-fourth session): XLA runs a sublayer's input from its stream x [H, D] (the
 stream's RMS, the mix fn @ x, the split, the Sinkhorn kernel, the collapse, the norm) as eleven kernels of 1-3.3 us,
 ~17 us a sublayer and ~35 us of a plain layer's ~230. Two fused Triton forms lost before (twenty-fourth session):
-each read the 1 MB `fn` or the 80 KB stream in 24-32 programs, and one program collapsed the whole stream, at
-~13 GB/s a program. Under V4.1's lag the collapse needs only the pre handed over by the previous sublayer, so here
-everything that reads the stream or `fn` is spread over D / COLS programs, and the one program left reads ~50 KB:
+their second kernel read the stream or the partial sums in one program (9-12 us), and their first looped over
+`fn` in steps. Under V4.1's lag the collapse needs only the pre handed over by the previous sublayer, so here every
+read of the stream or of `fn` (1 MB of f16) is spread over D / cols programs, and the one-program part reads ~8 KB:
 
-1. `_partials` (grid rows x D / COLS): a program takes COLS columns of every copy: y = sum_i pre_prev_i x_i (the
-   collapse, in the reference's order), the columns' share of fn @ x (24 values) and of sum x^2.
-2. `_finish` (one program a row): the shares summed in program order, mix = (fn @ x) * rsqrt(mean(x^2) + eps) (the
-   reference normalises x first: the same value to f32 rounding), the split (sigmoid, 2 sigmoid, Sinkhorn by
-   sinkhorn_kernel.normalise) and h = y * rsqrt(mean(y^2) + eps) * norm.
+1. `_partials` (grid rows x D / cols, cols = gcd(D, 128): 40 programs at V4.1's D = 5120): a program takes `cols`
+   columns of every copy: y = sum_i pre_prev_i x_i (the collapse, in the reference's order) and the columns' shares
+   of fn @ x (24 values), of sum x^2 and of sum y^2.
+2. `_split` (one program a row, one warp, so every reduction stays in the warp): the shares summed in program
+   order, mix = (fn @ x) * rsqrt(mean(x^2) + eps) (the reference normalises x first: the same value to f32
+   rounding), the split (sigmoid, 2 sigmoid, Sinkhorn by sinkhorn_kernel.normalise) and y's rsqrt(mean(y^2) + eps).
+3. `_normed` (grid rows x D / cols): h = y * that * norm.
 
 Each row's arithmetic does not depend on the rows around it (a program reads one row), so decode, verification and
 prefill rows agree exactly on CUDA, as with every kernel here; against the XLA spelling (the reference, every other
 platform) they agree to f32 rounding. Off unless JDS41_MHC_KERNEL=1 (read at import) until measured on the GPU box
-(experiments/device_next.sh mhc); JDS41_TRITON=interpret runs it in Pallas' interpreter on every platform
+(experiments/device_next.sh words-mhc); JDS41_TRITON=interpret runs it in Pallas' interpreter on every platform
 (tests/test_mhc_input_kernel.py).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -34,8 +37,8 @@ from jds41.layers import sinkhorn_kernel
 from jds41.quant import triton_matvec
 
 H = sinkhorn_kernel.H
-COLS = 32  # stream columns of every copy a `_partials` program takes: 160 programs at V4.1's D = 5120
-PAD = 32  # a program's shares: the mix's (2 + H) H = 24 rows, then sum x^2 at slot MIX, zeros to a power of two
+MOST_COLS = 128  # stream columns of every copy a `_partials` program takes, at most (a power of two)
+PAD = 32  # a program's shares: the mix's (2 + H) H = 24 rows, sum x^2 at slot MIX, sum y^2 at MIX + 1, zeros after
 MIX = (2 + H) * H
 ENABLED = os.environ.get("JDS41_MHC_KERNEL", "0") == "1"
 
@@ -48,48 +51,51 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int):
+def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int):
     n, p = pl.program_id(0), pl.program_id(1)
-    cols, slot = p * COLS + _ar(COLS), _ar(PAD)
+    at, slot = p * cols + _ar(cols), _ar(PAD)
     fn_row = jnp.minimum(slot, MIX - 1)[:, None]  # rows past the mix read its last row again; their sums are dropped
-    x = [x_ref[n, i, cols] for i in range(H)]  # [COLS] each
+    x = [x_ref[n, i, at] for i in range(H)]  # [cols] each
     y = pre_ref[n, 0] * x[0]
     for i in range(1, H):  # hc_collapse's order
         y = y + pre_ref[n, i] * x[i]
     dots = squares = None
     for i in range(H):  # copy by copy: fn's columns i D + c meet x[i, c]
-        dot = jnp.sum(fn_ref[fn_row, i * d + cols[None, :]].astype(jnp.float32) * x[i][None, :], axis=1)
+        dot = jnp.sum(fn_ref[fn_row, i * d + at[None, :]].astype(jnp.float32) * x[i][None, :], axis=1)
         square = jnp.sum(x[i] * x[i])
         dots, squares = (dot, square) if dots is None else (dots + dot, squares + square)
-    y_ref[n, cols] = y
-    part_ref[n, p, slot] = jnp.where(slot < MIX, dots, jnp.where(slot == MIX, squares, jnp.float32(0)))
+    zero = jnp.float32(0)
+    y_ref[n, at] = y
+    part_ref[n, p, slot] = jnp.where(slot < MIX, dots, jnp.where(slot == MIX, squares,
+                                                                 jnp.where(slot == MIX + 1, jnp.sum(y * y), zero)))
 
 
-def _finish(part_ref, y_ref, scale_ref, base_ref, norm_ref, h_ref, pre_ref, post_ref, comb_ref, *, d: int,
-            programs: int, rms_eps: float, hc_eps: float, iters: int):
+def _split(part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, rms_ref, *, d: int, programs: int,
+           rms_eps: float, hc_eps: float, iters: int):
     n = pl.program_id(0)
-    one, slot = jnp.float32(1), _ar(PAD)
+    one, zero, slot = jnp.float32(1), jnp.float32(0), _ar(PAD)
     at = _ar(_pow2(programs))
     shares = part_ref[n, jnp.minimum(at, programs - 1)[:, None], slot[None, :]]  # [P', PAD]
-    sums = jnp.sum(jnp.where((at < programs)[:, None], shares, jnp.float32(0)), axis=0)  # [PAD]
-    squares = jnp.sum(jnp.where(slot == MIX, sums, jnp.float32(0)))
-    mix = sums * lax.rsqrt(squares / jnp.float32(H * d) + jnp.float32(rms_eps))
+    sums = jnp.sum(jnp.where((at < programs)[:, None], shares, zero), axis=0)  # [PAD]
 
-    def pick(at_):  # mix values at the int32 slots `at_` (any shape), by masked sums over the slots
-        hit = at_[..., None] == slot
-        return jnp.sum(jnp.where(hit, mix, jnp.float32(0)), axis=-1)
+    def pick(at_):  # sums at the int32 slots `at_` (any shape), by masked sums over the slots
+        return jnp.sum(jnp.where(at_[..., None] == slot, sums, zero), axis=-1)
 
+    mix_scale = lax.rsqrt(pick(jnp.int32(MIX)) / jnp.float32(H * d) + jnp.float32(rms_eps))
+    mix = lambda at_: pick(at_) * mix_scale  # noqa: E731
     sigmoid = lambda z: one / (one + jnp.exp(-z))  # noqa: E731
     h_at, src_dst = _ar(H), _ar(H)[:, None] * H + _ar(H)[None, :]
-    pre_ref[n, h_at] = sigmoid(pick(h_at) * scale_ref[0] + base_ref[h_at]) + jnp.float32(hc_eps)
-    post_ref[n, h_at] = 2 * sigmoid(pick(H + h_at) * scale_ref[1] + base_ref[H + h_at])
-    logits = pick(2 * H + src_dst) * scale_ref[2] + base_ref[2 * H + src_dst]
+    pre_ref[n, h_at] = sigmoid(mix(h_at) * scale_ref[0] + base_ref[h_at]) + jnp.float32(hc_eps)
+    post_ref[n, h_at] = 2 * sigmoid(mix(H + h_at) * scale_ref[1] + base_ref[H + h_at])
+    logits = mix(2 * H + src_dst) * scale_ref[2] + base_ref[2 * H + src_dst]
     comb_ref[n, src_dst] = sinkhorn_kernel.normalise(logits, hc_eps, iters)
-    col = _ar(_pow2(d))
-    inside, at_y = col < d, jnp.minimum(col, d - 1)  # columns past D read and write column D - 1 again, unchanged
-    y = y_ref[n, at_y]
-    rms = lax.rsqrt(jnp.sum(jnp.where(inside, y * y, jnp.float32(0))) / jnp.float32(d) + jnp.float32(rms_eps))
-    h_ref[n, at_y] = y * rms * norm_ref[at_y]
+    rms_ref[n] = lax.rsqrt(pick(jnp.int32(MIX + 1)) / jnp.float32(d) + jnp.float32(rms_eps))
+
+
+def _normed(y_ref, rms_ref, norm_ref, h_ref, *, cols: int):
+    n, p = pl.program_id(0), pl.program_id(1)
+    at = p * cols + _ar(cols)
+    h_ref[n, at] = y_ref[n, at] * rms_ref[n] * norm_ref[at]
 
 
 @functools.partial(jax.jit, static_argnames=("rms_eps", "hc_eps", "iters", "interpret"))
@@ -97,7 +103,8 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
                         iters: int, interpret: bool = False):
     """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D] under the lag."""
     N, _, d = x_NHD.shape
-    programs = d // COLS
+    cols = math.gcd(d, MOST_COLS)
+    programs = d // cols
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     x_NHD, pre_prev_NH, scale_3, base_M, norm_D = map(f32, (x_NHD, pre_prev_NH, scale_3, base_M, norm_D))
     params = lambda warps: None  # noqa: E731
@@ -107,26 +114,25 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
         from jax.experimental.pallas import triton as plgpu
 
         params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=1)  # noqa: E731
-    y, parts = pl.pallas_call(
-        functools.partial(_partials, d=d), grid=(N, programs), compiler_params=params(4), interpret=interpret,
-        out_shape=(jax.ShapeDtypeStruct((N, d), jnp.float32), jax.ShapeDtypeStruct((N, programs, PAD), jnp.float32)),
-        name="mhc_input_partials",
-    )(x_NHD, fn_MK, pre_prev_NH)
-    out = pl.pallas_call(
-        functools.partial(_finish, d=d, programs=programs, rms_eps=float(rms_eps), hc_eps=float(hc_eps),
+    row = lambda *shape: jax.ShapeDtypeStruct((N, *shape), jnp.float32)  # noqa: E731
+    call = functools.partial(pl.pallas_call, interpret=interpret)
+    y, parts = call(functools.partial(_partials, d=d, cols=cols), grid=(N, programs), compiler_params=params(4),
+                    out_shape=(row(d), row(programs, PAD)), name="mhc_input_partials")(x_NHD, fn_MK, pre_prev_NH)
+    pre, post, comb, rms = call(
+        functools.partial(_split, d=d, programs=programs, rms_eps=float(rms_eps), hc_eps=float(hc_eps),
                           iters=int(iters)),
-        grid=(N,), compiler_params=params(8), interpret=interpret, name="mhc_input_finish",
-        out_shape=(jax.ShapeDtypeStruct((N, d), jnp.float32), jax.ShapeDtypeStruct((N, H), jnp.float32),
-                   jax.ShapeDtypeStruct((N, H), jnp.float32), jax.ShapeDtypeStruct((N, H * H), jnp.float32)),
-    )(parts, y, scale_3, base_M, norm_D)
-    h, pre, post, comb = lax.optimization_barrier(out) if interpret else out
-    return h, pre, post, comb.reshape(N, H, H)
+        grid=(N,), compiler_params=params(1), out_shape=(row(H), row(H), row(H * H), row()), name="mhc_input_split",
+    )(parts, scale_3, base_M)
+    h = call(functools.partial(_normed, cols=cols), grid=(N, programs), compiler_params=params(4),
+             out_shape=row(d), name="mhc_input_normed")(y, rms, norm_D)
+    out = (h, pre, post, comb.reshape(N, H, H))
+    return lax.optimization_barrier(out) if interpret else out
 
 
 def applies(hc: int, d: int, mix_width: int) -> bool:
     """Whether `sublayer_input` runs the kernels: switched on, Pallas' Triton backend or the interpreter, H = 4
-    copies, D a multiple of COLS, a (2 + H) H mix."""
-    return (ENABLED and hc == H and d % COLS == 0 and mix_width == MIX and triton_matvec.ENABLED
+    copies, D with a power-of-two factor of at least 16 (a program's columns), a (2 + H) H mix."""
+    return (ENABLED and hc == H and math.gcd(d, MOST_COLS) >= 16 and mix_width == MIX and triton_matvec.ENABLED
             and (triton_matvec.has_triton_backend() or triton_matvec.INTERPRET))
 
 
