@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mhc_reference import numpy_sinkhorn
 
 from jds41 import model
 from jds41.layers import mhc_input_kernel
@@ -53,13 +54,7 @@ def _numpy(x, pre_prev, fn, scale, base, norm, iters):
     sig = lambda z: 1 / (1 + np.exp(-z))  # noqa: E731
     pre = sig(mix[:, :4] * scale[0] + base[:4]) + HC_EPS
     post = 2 * sig(mix[:, 4:8] * scale[1] + base[4:8])
-    lg = (mix[:, 8:] * scale[2] + base[8:]).reshape(n, 4, 4)
-    e = np.exp(lg - lg.max(-1, keepdims=True))
-    c = e / e.sum(-1, keepdims=True) + HC_EPS
-    c = c / (c.sum(-2, keepdims=True) + HC_EPS)
-    for _ in range(iters - 1):
-        c = c / (c.sum(-1, keepdims=True) + HC_EPS)
-        c = c / (c.sum(-2, keepdims=True) + HC_EPS)
+    c = numpy_sinkhorn((mix[:, 8:] * scale[2] + base[8:]).reshape(n, 4, 4), HC_EPS, iters)
     y = np.einsum("nh,nhd->nd", pre_prev, x)
     h = y / np.sqrt((y ** 2).mean(1, keepdims=True) + RMS_EPS) * norm
     return h, pre, post, c
