@@ -451,7 +451,7 @@ def _steps(qtype, planar: bool, n_in: int):
         else (_load_q2_k, _dot_q2_k)}[qtype]
 
 
-def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_experts: int, n_out: int, bo: int, nb: int, steps: int,
+def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: int, nb: int, steps: int,
             x_per_row: bool, parts: int):
     """One program: BO rows of one selected matrix over `steps` steps of NB blocks (its split's share of the row)
     summed into one f32 accumulator per row. `rest`: the `parts` weight stacks, the step's other inputs (tables,
@@ -465,9 +465,7 @@ def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_experts: int, n_
     k, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kx = k if x_per_row else jnp.int32(0)
     per_part = n_out // bo
-    # the selection clamped to the stack here rather than by XLA around the launch, where it was a kernel of its own
-    expert = jnp.minimum(jnp.maximum(idx_ref[k], 0), n_experts - 1)
-    rows = expert * n_out + (j % per_part) * bo + jnp.arange(bo, dtype=jnp.int32)  # of the flat [E * O, R] stack
+    rows = idx_ref[k] * n_out + (j % per_part) * bo + jnp.arange(bo, dtype=jnp.int32)  # of the flat [E * O, R] stack
     blocks = lambda t: (split * steps + t) * nb + jnp.arange(nb, dtype=jnp.int32)  # noqa: E731
 
     def rows_of(w_ref):
@@ -504,7 +502,7 @@ def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, step
         raise ValueError(f"{name}: stacks read in one launch must have one shape, got {[s.shape for s in stacks]}")
     K, P = idx_K.shape[0], len(stacks)
     bo, nb, warps, splits = tile
-    kernel = functools.partial(_kernel, load=load, dot=dot, prefetch=prefetch, n_experts=E, n_out=n_out, bo=bo, nb=nb,
+    kernel = functools.partial(_kernel, load=load, dot=dot, prefetch=prefetch, n_out=n_out, bo=bo, nb=nb,
                                steps=steps, x_per_row=x_XI.shape[0] > 1, parts=P)
     params = None
     if interpret:  # Interpreted, the kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two
@@ -519,7 +517,7 @@ def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, step
         kernel, out_shape=jax.ShapeDtypeStruct((splits, K, P * n_out), jnp.float32),
         grid=(K, P * n_out // bo, splits), out_specs=pl.BlockSpec((1, 1, bo), lambda k, j, s: (s, k, j)),
         compiler_params=params, interpret=interpret, name=name,
-    )(idx_K.astype(jnp.int32), x_XI, *(s.reshape(E * n_out, R) for s in stacks), *extra)
+    )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI, *(s.reshape(E * n_out, R) for s in stacks), *extra)
     # The splits' partial sums in split order, one add at a time: XLA keeps the order of explicit float adds
     # wherever it fuses them, as it need not for a reduction over the split axis.
     summed = functools.reduce(operator.add, (out[s] for s in range(1, splits)), out[0])
