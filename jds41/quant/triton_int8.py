@@ -54,7 +54,7 @@ KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar"
 # first); read at import, for A/B measurements
 _Q8_0_FORM = os.environ.get("JDS41_INT8_Q8_0_FORM", "packs")
 # JDS41_INT8_WORD_LOADS=1: the planar IQ2_XXS and Q2_K steps read their rows as int32 words (`_as_words`) instead
-# of bytes assembled into words; read at import, for A/B measurements
+# of bytes assembled into words; read at import, for A/B measurements (experiments/device_next.sh words-mhc)
 _WORD_LOADS = os.environ.get("JDS41_INT8_WORD_LOADS", "0") == "1"
 _BYTE_ONES = np.int32(0x01010101)
 # prmt's eight source bytes (first word bytes 0-3, second 4-7): the grid magnitudes 8, 25, 43 at bytes 0-2 and their
@@ -164,8 +164,9 @@ def _f16_bits_value(h):
 
 
 def _as_words(raw_EOR):
-    """uint8 rows [E, O, R] (or a tuple of such stacks) -> int32 [E, O, R / 4], byte 4w + k at bits 8k of word w.
-    A bitcast of the same buffer: XLA copies nothing."""
+    """uint8 rows [E, O, R] (or a tuple of such stacks) -> int32 [E, O, R / 4], byte 4w + k at bits 8k of word w:
+    the same bytes reinterpreted, which XLA can lower as a bitcast of the buffer (a copy would show in the decode
+    rate at once: the stacks are ~1 GB a layer)."""
     view = lambda r: lax.bitcast_convert_type(r.reshape(*r.shape[:-1], r.shape[-1] // 4, 4), jnp.int32)  # noqa: E731
     return tuple(map(view, raw_EOR)) if isinstance(raw_EOR, tuple) else view(raw_EOR)
 
