@@ -153,10 +153,11 @@ case "${1:-}" in
     done
     if (( SECONDS < 500 )); then python3 experiments/profile_decode.py "${prof[@]}"; fi ;;
   words-mhc)  # two switches built in the thirty-fifth session, off until this: the int8 two-bit steps reading rows
-    # as int32 words (JDS41_INT8_WORD_LOADS=1) and V4.1's sublayer inputs as three launches (JDS41_MHC_KERNEL=1)
-    python3 -m pytest -q -m gpu -rf --tb=line tests/test_int8_numerics.py tests/test_mhc_input_kernel.py \
+    # as int32 words (JDS41_INT8_WORD_LOADS=1) and V4.1's sublayer inputs as three launches (JDS41_MHC_KERNEL=1);
+    # pytest unbuffered (-u), so a timeout still leaves the lines it printed
+    python3 -u -m pytest -q -m gpu -rf --tb=line tests/test_int8_numerics.py tests/test_mhc_input_kernel.py \
       -k "word_loads or compiled_int8 or compiled_kernels" 2>&1 | tail -8 | tee "$OUT/words_mhc_tests.txt" || true
-    JDS41_INT8_WORD_LOADS=1 JDS41_MHC_KERNEL=1 timeout 150 python3 -m pytest -q -rf --tb=line tests/test_gpu_paths.py \
+    JDS41_INT8_WORD_LOADS=1 JDS41_MHC_KERNEL=1 timeout 150 python3 -u -m pytest -q -rf --tb=line tests/test_gpu_paths.py \
       2>&1 | tail -8 | tee -a "$OUT/words_mhc_tests.txt" || true
     for on in 0 1; do  # a form that fails to build costs its rows, not the call
       JDS41_INT8_WORD_LOADS=$on python3 experiments/bench_kernels.py --shapes v41-experts-gate-up,v41-experts-down \
