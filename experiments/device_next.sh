@@ -71,9 +71,10 @@ case "${1:-}" in
       JDS41_INT8_Q8_0_FORM=$form python3 experiments/bench_kernels.py --shapes "$Q8_SHAPES" \
         --out "$OUT/bench_kernels_int8_q8_0_${form}_h200.jsonl"
     done ;;
-  depth)
+  depth)  # DEPTH_ENV: environment assignments for every run (e.g. DEPTH_ENV="JDS41_MHC_KERNEL=1"), recorded in the rows
+    read -r -a depth_env <<<"${DEPTH_ENV:-}"
     for n in 2 4 8; do
-      python3 experiments/bench_decode.py --arch deepseek41 --layers $n --quant ds4-q2 --profiles plain \
+      env "${depth_env[@]}" python3 experiments/bench_decode.py --arch deepseek41 --layers $n --quant ds4-q2 --profiles plain \
         --numerics int8 --prompt 256 --decode 128 --usage-tokens 256 --prefill-budget-s 5 \
         --out "$OUT/bench_decode_depth_v41_h200.jsonl"
       rm -rf /tmp/jds41-bench  # the disk holds one file at a time
