@@ -39,7 +39,7 @@
 #                                             # V4.1's sublayer inputs as three launches (JDS41_MHC_KERNEL=1, layers/
 #                                             # mhc_input_kernel.py, against XLA's eleven): GPU tests (gpu_paths with
 #                                             # both on), both products alone, decode rounds of the three arms, a
-#                                             # profile with the mHC kernels, ~8 min
+#                                             # profile with the mHC kernels, ncu of the IQ2_XXS step, ~9 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -177,6 +177,11 @@ case "${1:-}" in
     if (( SECONDS < 480 )); then
       JDS41_MHC_KERNEL=1 python3 experiments/profile_decode.py "${V41_PROFILE[@]}" \
         --out "$OUT/profile_decode_mhc_v41_4L.jsonl" || true
+    fi
+    if (( SECONDS < 520 )); then  # what bounds the byte-permute IQ2_XXS step now (~70 s: its first two launches)
+      timeout 70 ncu --clock-control none -k regex:rows_matvec_int8 -c 2 --section SpeedOfLight \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats \
+        python3 experiments/bench_kernels.py --shapes v41-experts-gate-up --reps 1 >"$OUT/ncu_iq2_prmt.txt" 2>&1 || true
     fi ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
