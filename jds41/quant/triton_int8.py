@@ -327,9 +327,8 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     # whole words a row: Q2_K's 84-byte blocks always, IQ2_XXS's 66-byte ones in pairs
     words = _WORD_LOADS and layout == "planar" and (qtype == T.Q2_K or (qtype == T.IQ2_XXS and n_in % 512 == 0))
     if qtype == T.IQ2_XXS:
-        load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
-        if words:
-            load = functools.partial(_load_iq2_xxs_from_words, n_in=n_in)
+        load = (functools.partial(_load_iq2_xxs_from_words, n_in=n_in) if words
+                else functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in))
         octets = functools.partial(_octets, dp4a=dp4a, prmt=_prmt_plain if interpret else _prmt_asm)
         dot = functools.partial(_dot_iq2_xxs_int8, octets=octets,
                                 fields=_iq2_xxs_word_fields if words else _iq2_xxs_byte_fields)
