@@ -33,13 +33,6 @@
 #                                             # launch on Hopper by default, llama.cpp overlaps its ~1,100 kernels a
 #                                             # step that way); AB_ON2 adds a third arm; rounds while
 #                                             # time allows, then one profile an arm, ~8 min
-#   bash experiments/device_next.sh words-mhc # two switches of the thirty-fifth session: the int8 IQ2_XXS and
-#                                             # Q2_K steps reading planar rows as int32 words (JDS41_INT8_WORD_LOADS
-#                                             # =1: one load a word where bytes took four loads and six ops) and
-#                                             # V4.1's sublayer inputs as three launches (JDS41_MHC_KERNEL=1, layers/
-#                                             # mhc_input_kernel.py, against XLA's eleven): GPU tests (gpu_paths with
-#                                             # both on), both products alone, decode rounds of the three arms, a
-#                                             # profile with the mHC kernels, ncu of the IQ2_XXS step, ~9 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -71,7 +64,7 @@ case "${1:-}" in
       JDS41_INT8_Q8_0_FORM=$form python3 experiments/bench_kernels.py --shapes "$Q8_SHAPES" \
         --out "$OUT/bench_kernels_int8_q8_0_${form}_h200.jsonl"
     done ;;
-  depth)  # DEPTH_ENV: environment assignments for every run (e.g. DEPTH_ENV="JDS41_MHC_KERNEL=1"), recorded in the rows
+  depth)  # DEPTH_ENV: environment assignments for every run (e.g. DEPTH_ENV="JDS41_ATTN_KERNEL=1"), recorded in the rows
     read -r -a depth_env <<<"${DEPTH_ENV:-}"
     for n in 2 4 8; do
       env "${depth_env[@]}" python3 experiments/bench_decode.py --arch deepseek41 --layers $n --quant ds4-q2 --profiles plain \
@@ -153,36 +146,6 @@ case "${1:-}" in
       read -r -a e <<<"$arm"; env "${e[@]}" python3 experiments/profile_decode.py "${prof[@]}"
     done
     if (( SECONDS < 500 )); then python3 experiments/profile_decode.py "${prof[@]}"; fi ;;
-  words-mhc)  # two switches built in the thirty-fifth session, off until this: the int8 two-bit steps reading rows
-    # as int32 words (JDS41_INT8_WORD_LOADS=1) and V4.1's sublayer inputs as three launches (JDS41_MHC_KERNEL=1);
-    # pytest unbuffered (-u), so a timeout still leaves the lines it printed
-    python3 -u -m pytest -q -m gpu -rf --tb=line tests/test_int8_numerics.py tests/test_mhc_input_kernel.py \
-      -k "word_loads or compiled_int8 or compiled_kernels" 2>&1 | tail -8 | tee "$OUT/words_mhc_tests.txt" || true
-    JDS41_INT8_WORD_LOADS=1 JDS41_MHC_KERNEL=1 timeout 150 python3 -u -m pytest -q -rf --tb=line tests/test_gpu_paths.py \
-      2>&1 | tail -8 | tee -a "$OUT/words_mhc_tests.txt" || true
-    for on in 0 1; do  # a form that fails to build costs its rows, not the call
-      JDS41_INT8_WORD_LOADS=$on python3 experiments/bench_kernels.py --shapes v41-experts-gate-up,v41-experts-down \
-        --out "$OUT/bench_kernels_word_loads.jsonl" || true
-    done
-    arms=("" "JDS41_INT8_WORD_LOADS=1" "JDS41_MHC_KERNEL=1")
-    rounds=0
-    while (( rounds < 1 || SECONDS < ${WM_DECODE_UNTIL_S:-400} )); do
-      for arm in "${arms[@]}"; do
-        read -r -a e <<<"$arm"
-        env "${e[@]}" python3 experiments/bench_decode.py "${V41_DECODE[@]}" \
-          --out "$OUT/bench_decode_words_mhc_v41_4L.jsonl" || true
-      done
-      rounds=$((rounds + 1))
-    done
-    if (( SECONDS < 480 )); then
-      JDS41_MHC_KERNEL=1 python3 experiments/profile_decode.py "${V41_PROFILE[@]}" \
-        --out "$OUT/profile_decode_mhc_v41_4L.jsonl" || true
-    fi
-    if (( SECONDS < 520 )); then  # what bounds the byte-permute IQ2_XXS step now (~70 s: its first two launches)
-      timeout 70 ncu --clock-control none -k regex:rows_matvec_int8 -c 2 --section SpeedOfLight \
-        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats \
-        python3 experiments/bench_kernels.py --shapes v41-experts-gate-up --reps 1 >"$OUT/ncu_iq2_prmt.txt" 2>&1 || true
-    fi ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
@@ -191,6 +154,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|words-mhc|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|v4" >&2
     exit 2 ;;
 esac

@@ -243,8 +243,8 @@ def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H):
     """One row's sublayer input from the stream x [H, D]: (h [D] its normed input, pre, post, comb), every path's
     (decode, prefill, layer-major groups, verify rows). The collapse takes the handed-over `pre_prev_H` (V4.1's lag)
     or this sublayer's own pre (V4). (Two fused Triton forms of this chain ran slower than XLA's ten kernels on the
-    H200: experiments/README.md, twenty-fourth session; under the lag, JDS41_MHC_KERNEL=1 takes
-    layers/mhc_input_kernel.py's three launches on CUDA, off until measured.)"""
+    H200: experiments/README.md, twenty-fourth session; under the lag, layers/mhc_input_kernel.py's three launches
+    won on an H100 in the thirty-sixth and run on CUDA unless JDS41_MHC_KERNEL=0.)"""
     def xla(x_HD, pre_prev_H):
         pre, post, comb = _sublayer_mix(cfg, w, branch, x_HD)
         h = rms_norm(hc_collapse(x_HD, pre_prev_H if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)

@@ -29,7 +29,7 @@ from kernel_reference import reference_rows_matvec
 from kernel_reference import rel_error as _rel
 from two_bit_model import two_bit_model
 
-from jds41.quant import QTensor, int8_act, qmatvec_experts, qtensor, triton_int8, triton_matvec
+from jds41.quant import QTensor, int8_act, qmatvec_experts, qtensor, triton_int8
 from jds41.quant.blocks import IQ2XXS_PACKED_GRID
 from jds41.quant.int8_act import int8_values, round_int8, xla_int8_rows_matvec
 from jds41.quant.planar import to_planar
@@ -166,36 +166,6 @@ def test_both_q8_0_kernel_forms_equal_the_reference_and_each_other(monkeypatch, 
     assert _rel(got["packs"], _reference(x, raw, idx, T.Q8_0)) < 1e-6
 
 
-@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K])
-@pytest.mark.parametrize("x_rows", [1, 5])
-def test_word_loads_give_the_byte_loads_bits(monkeypatch, qtype, x_rows):
-    """JDS41_INT8_WORD_LOADS (read at import: set on the module, traced afresh): the planar two-bit steps read
-    their rows as int32 words and take the same fields apart, over tiles with and without a row split and with the
-    load-ahead on and off. IQ2_XXS gives the same bits here; Q2_K's f32 sums over its 16 sub-blocks come out a few
-    ulps apart in Pallas' interpreter, whose XLA:CPU code orders a reduction by how it fused the reduction's inputs
-    (byte gathers against word shifts), so here it is held to the float64 reference's tolerance, and the GPU test
-    (`test_word_loads_compiled_give_the_byte_loads_bits`) holds both to the same bits."""
-    rng = np.random.default_rng(11)
-    raw = random_quantized(rng, qtype, (5, 24, 1024))
-    idx = jnp.asarray(np.array([4, 0, 2, 9, -3], np.int32))
-    x = rng.standard_normal((x_rows, 1024)).astype(np.float32)
-    q, d = round_int8(jnp.asarray(x))
-    rows = jnp.asarray(to_planar(raw, qtype))
-    got = {}
-    for prefetch in (frozenset(), frozenset({qtype})):
-        monkeypatch.setattr(triton_matvec, "PREFETCH", prefetch)
-        for words in (False, True):
-            monkeypatch.setattr(triton_int8, "_WORD_LOADS", words)
-            for tile in (None, (8, 1, 4, 4)):
-                got[prefetch, words, tile] = np.asarray(triton_int8.rows_matvec_int8.__wrapped__(
-                    q, d, rows, idx, qtype, "planar", interpret=True, tile=tile))
-    for prefetch, _, tile in [k for k in got if k[1]]:
-        if qtype == T.IQ2_XXS:
-            np.testing.assert_array_equal(got[prefetch, True, tile], got[prefetch, False, tile], err_msg=str(tile))
-        assert _rel(got[prefetch, True, tile], got[prefetch, False, tile].astype(np.float64)) < 1e-6, tile
-    assert _rel(got[frozenset(), True, None], _reference(x, raw, np.asarray(idx), qtype)) < 1e-6
-
-
 def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda(monkeypatch):
     rng = np.random.default_rng(4)
     x, idx = jnp.ones(512, jnp.float32), jnp.arange(3, dtype=jnp.int32)
@@ -284,23 +254,6 @@ def test_the_compiled_int8_kernel_agrees_with_the_xla_product_on_the_gpu(qtype, 
     got = np.asarray(jax.jit(lambda q, d, r, i: rows_matvec_int8(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
     want = np.asarray(jax.jit(lambda q, d, r, i: xla_int8_rows_matvec(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
     assert np.isfinite(got).all() and _rel(got, want.astype(np.float64)) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("qtype,n_out,n_in", [(T.IQ2_XXS, 2304, 5120), (T.Q2_K, 5120, 2304)])
-def test_word_loads_compiled_give_the_byte_loads_bits(monkeypatch, qtype, n_out, n_in):
-    rng = np.random.default_rng(12)
-    raw = np.concatenate([random_quantized(rng, qtype, (1, n_out, n_in))] * 8)
-    idx = jnp.asarray(rng.integers(0, 8, 6), jnp.int32)
-    q, d = round_int8(jnp.asarray(rng.standard_normal((1, n_in)), jnp.float32))
-    rows = jax.device_put(to_planar(raw, qtype))
-    got = []
-    for words in (False, True):
-        monkeypatch.setattr(triton_int8, "_WORD_LOADS", words)
-        got.append(np.asarray(jax.jit(lambda q, d, r, i: triton_int8.rows_matvec_int8.__wrapped__(
-            q, d, r, i, qtype, "planar"))(q, d, rows, idx)))
-    assert np.isfinite(got[0]).all()
-    np.testing.assert_array_equal(got[1], got[0])
 
 
 def test_the_server_and_generate_command_lines_take_the_numerics(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""A V4.1 sublayer's input as three Triton launches (jds41/layers/mhc_input_kernel.py, JDS41_MHC_KERNEL=1).
+"""A V4.1 sublayer's input as three Triton launches (jds41/layers/mhc_input_kernel.py, on by default;
+JDS41_MHC_KERNEL=0 takes XLA's).
 
 On every machine: the three kernels in Pallas' interpreter against the XLA spelling (layers/mhc.py's mix, split and
 collapse, layers/norm.py's norm: the reference) and a float64 numpy re-derivation of MODEL.md §2.1; each row's

@@ -8,7 +8,8 @@ gives the step loop's tokens; drafting gives plain greedy decode's tokens, at de
 vmapped kernel); the wide prompt pass keeps its bits for any cut. Against the XLA engine in this process (the
 reference path): the same logits to f32 rounding, and not the same bits (the kernel really ran). The "attention"
 case runs the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1) under the same promises, and
-the "mhc" case the sublayer inputs' kernels (layers/mhc_input_kernel.py, JDS41_MHC_KERNEL=1).
+the "mhc" case the sublayer inputs' kernels (layers/mhc_input_kernel.py, the default on CUDA; the other cases
+set JDS41_MHC_KERNEL=0).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ print(json.dumps(res))
 
 
 # "attention": the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1), vmapped at width 4;
-# "mhc": the sublayer inputs' kernels too (layers/mhc_input_kernel.py, JDS41_MHC_KERNEL=1)
+# "mhc": the sublayer inputs' kernels too (layers/mhc_input_kernel.py; the default on CUDA, off in the others)
 @pytest.mark.parametrize("kernels", ["products", "attention", "mhc"])
 def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
     model = str(synthetic_model("deepseek41", "tiny", "mxfp4", draft_stages=2))

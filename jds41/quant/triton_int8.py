@@ -53,9 +53,6 @@ KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar"
 # Q8_0's step: "packs" (dp4a over a thread's packs of four loaded bytes) or "words" (bytes assembled into words
 # first); read at import, for A/B measurements
 _Q8_0_FORM = os.environ.get("JDS41_INT8_Q8_0_FORM", "packs")
-# JDS41_INT8_WORD_LOADS=1: the planar IQ2_XXS and Q2_K steps read their rows as int32 words (`_as_words`) instead
-# of bytes assembled into words; read at import, for A/B measurements (experiments/device_next.sh words-mhc)
-_WORD_LOADS = os.environ.get("JDS41_INT8_WORD_LOADS", "0") == "1"
 _BYTE_ONES = np.int32(0x01010101)
 # prmt's eight source bytes (first word bytes 0-3, second 4-7): the grid magnitudes 8, 25, 43 at bytes 0-2 and their
 # negatives at bytes 4-6, so selector nibble code + 4 * negative picks a value's signed byte
@@ -158,53 +155,17 @@ def _octets(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a, prmt):
     return dp4a(prmt(lo, hi, sel >> 16), xh, dp4a(prmt(lo, hi, sel), xl, jnp.zeros_like(p)))
 
 
-def _f16_bits_value(h):
-    """int32 whose low 16 bits are an f16's -> that f16 as f32."""
-    return lax.bitcast_convert_type(h.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
-
-
-def _as_words(raw_EOR):
-    """uint8 rows [E, O, R] (or a tuple of such stacks) -> int32 [E, O, R / 4], byte 4w + k at bits 8k of word w:
-    the same bytes reinterpreted, which XLA can lower as a bitcast of the buffer (a copy would show in the decode
-    rate at once: the stacks are ~1 GB a layer)."""
-    view = lambda r: lax.bitcast_convert_type(r.reshape(*r.shape[:-1], r.shape[-1] // 4, 4), jnp.int32)  # noqa: E731
-    return tuple(map(view, raw_EOR)) if isinstance(raw_EOR, tuple) else view(raw_EOR)
-
-
-def _iq2_xxs_byte_fields(loaded, b):
-    """`triton_matvec._load_iq2_xxs`' bytes -> (grid indices int32 [BO, NB, 8, 4], aux words uint32 [BO, NB, 8, 1],
-    d f32 [BO, NB])."""
-    idx_bytes, aux_bytes, d_bytes = loaded
-    aux = aux_bytes[0].astype(jnp.uint32)
-    for byte in range(1, 4):
-        aux = aux | (aux_bytes[byte].astype(jnp.uint32) << (8 * byte))
-    return idx_bytes.astype(jnp.int32), aux, tm._f16_value(d_bytes)
-
-
-def _load_iq2_xxs_from_words(w_ref, rows, b, *, n_in: int):
-    """Planar IQ2_XXS rows as int32 words: a group's 8 bytes are two words (its four grid indices, its aux), and
-    block b's f16 d is half b & 1 of word (Q + 2b) / 4 (Q: the row's quant bytes). Raw words: `_iq2_xxs_word_fields`
-    takes them apart."""
-    r4, g = rows[:, None, None, None], tm._ar(8, 2, 4)
-    at = b[None, :, None, None] * 16 + g * 2  # [1, NB, 8, 1]
-    d_at = ((tm.quant_bytes(T.IQ2_XXS, n_in) + 2 * b) >> 2)[None, :]
-    return w_ref[r4, at], w_ref[r4, at + 1], w_ref[rows[:, None], d_at]
-
-
-def _iq2_xxs_word_fields(loaded, b):
-    """`_load_iq2_xxs_from_words`' words -> `_iq2_xxs_byte_fields`' fields, the same values."""
-    idx_word, aux_word, d_word = loaded
-    idx = (idx_word >> (8 * tm._ar(4, 3, 4))) & 0xFF  # [BO, NB, 8, 4]: byte j of the group's first word
-    return idx, lax.bitcast_convert_type(aux_word, jnp.uint32), _f16_bits_value((d_word >> (16 * (b & 1))) & 0xFFFF)
-
-
-def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, codes_ref, signs_ref, *, octets, fields):
+def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, codes_ref, signs_ref, *, octets):
     """A block's 8 groups of 4 octets (`_dot_iq2_xxs` names the fields): per octet the integer dot product of its 8
     signed magnitudes with x's two words (value order: octet o = 4g + j is words 8g + 2j and 8g + 2j + 1), summed
     over the group's octets (exact), times 2s + 1; then per group f32 times x's block scale, summed over groups,
-    times d / 8. `fields` takes the step's loads apart (bytes or words)."""
-    idx, aux, d = fields(loaded, b)
+    times d / 8."""
+    idx_bytes, aux_bytes, d_bytes = loaded
     g, j = tm._ar(8, 2, 4), tm._ar(4, 3, 4)
+    idx = idx_bytes.astype(jnp.int32)  # [BO, NB, 8, 4]
+    aux = aux_bytes[0].astype(jnp.uint32)
+    for byte in range(1, 4):
+        aux = aux | (aux_bytes[byte].astype(jnp.uint32) << (8 * byte))  # [BO, NB, 8, 1]
     s7 = ((aux >> (7 * j).astype(jnp.uint32)) & 0x7F).astype(jnp.int32)  # [BO, NB, 8, 4]: octets' sign indices
     x_at = b[:, None, None] * 64 + g[0] * 8 + j[0] * 2  # [NB, 8, 4]: octet (g, j)'s first word
     xl, xh = x_ref[kx, x_at][None], x_ref[kx, x_at + 1][None]
@@ -212,7 +173,7 @@ def _dot_iq2_xxs_int8(loaded, x_ref, kx, b, d_ref, codes_ref, signs_ref, *, octe
     group_sums = jnp.sum(sums * ((aux >> 28).astype(jnp.int32) * 2 + 1), axis=3)  # [BO, NB, 8], times 2s + 1
     dx = d_ref[kx, b[:, None] * 8 + g[0, :, :, 0]][None]  # [1, NB, 8]
     per_block = jnp.sum(dx * group_sums.astype(jnp.float32), axis=2)  # [BO, NB]
-    return jnp.sum(d * per_block * np.float32(0.125), axis=1)
+    return jnp.sum(tm._f16_value(d_bytes) * per_block * np.float32(0.125), axis=1)
 
 
 def _load_q2_k_words(w_ref, rows, b, *, n_in: int):
@@ -229,35 +190,10 @@ def _load_q2_k_words(w_ref, rows, b, *, n_in: int):
     return words, sc, tm._f16_bytes(w_ref, rows[:, None], d_at), tm._f16_bytes(w_ref, rows[:, None], d_at + 2)
 
 
-def _q2_k_byte_fields(loaded):
-    """`_load_q2_k_words`' loads -> (code words uint32 [BO, NB, 16], scale|min int32 [BO, NB, 16], d, dmin f32)."""
-    words, sc_bytes, d_bytes, dmin_bytes = loaded
-    return words, sc_bytes.astype(jnp.int32), tm._f16_value(d_bytes), tm._f16_value(dmin_bytes)
-
-
-def _load_q2_k_from_words(w_ref, rows, b, *, n_in: int):
-    """Planar Q2_K rows as int32 words: a sub-block's code word, for each sub-block the word holding its
-    scale|min byte (byte s & 3 of word s >> 2 of the block's 20 field bytes), and the word of d (low half) and
-    dmin. Raw words: `_q2_k_word_fields` takes them apart."""
-    r3, s = rows[:, None, None], tm._ar(16, 2, 3)
-    fields_at = tm.quant_bytes(T.Q2_K, n_in) // 4 + b * 5  # [NB]: a block's first field word
-    sc_at = (fields_at[:, None] + (tm._ar(16, 1, 2) >> 2))[None]  # [1, NB, 16]
-    return w_ref[r3, b[None, :, None] * 16 + s], w_ref[r3, sc_at], w_ref[rows[:, None], (fields_at + 4)[None, :]]
-
-
-def _q2_k_word_fields(loaded):
-    """`_load_q2_k_from_words`' words -> `_q2_k_byte_fields`' fields, the same values."""
-    words, sc_words, dd = loaded
-    sc = (sc_words >> (8 * (tm._ar(16, 2, 3) & 3))) & 0xFF
-    return (lax.bitcast_convert_type(words, jnp.uint32), sc, _f16_bits_value(dd & 0xFFFF),
-            _f16_bits_value((dd >> 16) & 0xFFFF))
-
-
-def _dot_q2_k_int8(loaded, x_ref, kx, b, d_ref, *, dp4a, fields):
+def _dot_q2_k_int8(loaded, x_ref, kx, b, d_ref, *, dp4a):
     """Per sub-block j: sum code * q and sum q as dp4a over its 4 code positions u (x crumb-major: word 16u + j of
-    the block), then d * sum_j dx_j * f32(sc_j * sum code q) - dmin * sum_j dx_j * f32(m_j * sum q). `fields` takes
-    the step's loads apart (bytes or words)."""
-    words, sc, d, dmin = fields(loaded)
+    the block), then d * sum_j dx_j * f32(sc_j * sum code q) - dmin * sum_j dx_j * f32(m_j * sum q)."""
+    words, sc_bytes, d_bytes, dmin_bytes = loaded
     s = tm._ar(16, 1, 2)  # [1, 16]
     x_at = b[:, None] * 64 + s  # [NB, 16]
     qx = xs = None
@@ -266,10 +202,11 @@ def _dot_q2_k_int8(loaded, x_ref, kx, b, d_ref, *, dp4a, fields):
         codes = lax.bitcast_convert_type((words >> np.uint32(2 * u)) & np.uint32(0x03030303), jnp.int32)
         qx = dp4a(codes, xw, jnp.zeros_like(codes) if qx is None else qx)
         xs = dp4a(jnp.full_like(xw, _BYTE_ONES), xw, jnp.zeros_like(xw) if xs is None else xs)
+    sc = sc_bytes.astype(jnp.int32)
     dx = d_ref[kx, b[:, None] * 8 + (s >> 1)][None]  # [1, NB, 16]: sub-block j reads its block of 32's scale
     scaled = jnp.sum(dx * ((sc & 15) * qx).astype(jnp.float32), axis=2)
     mins = jnp.sum(dx * ((sc >> 4) * xs).astype(jnp.float32), axis=2)
-    return jnp.sum(d * scaled - dmin * mins, axis=1)
+    return jnp.sum(tm._f16_value(d_bytes) * scaled - tm._f16_value(dmin_bytes) * mins, axis=1)
 
 
 def _load_q8_0_words(w_ref, rows, b, *, n_in: int):
@@ -324,14 +261,10 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
     dp4a = _dp4a_plain if interpret else _dp4a_asm
     q_XI = jnp.asarray(q_XI, jnp.int8)
     x_in = None  # x as the step reads it: words of four values unless set
-    # whole words a row: Q2_K's 84-byte blocks always, IQ2_XXS's 66-byte ones in pairs
-    words = _WORD_LOADS and layout == "planar" and (qtype == T.Q2_K or (qtype == T.IQ2_XXS and n_in % 512 == 0))
     if qtype == T.IQ2_XXS:
-        load = (functools.partial(_load_iq2_xxs_from_words, n_in=n_in) if words
-                else functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in))
+        load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
         octets = functools.partial(_octets, dp4a=dp4a, prmt=_prmt_plain if interpret else _prmt_asm)
-        dot = functools.partial(_dot_iq2_xxs_int8, octets=octets,
-                                fields=_iq2_xxs_word_fields if words else _iq2_xxs_byte_fields)
+        dot = functools.partial(_dot_iq2_xxs_int8, octets=octets)
         extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
     elif qtype == T.Q8_0 and _Q8_0_FORM == "packs":
         load = functools.partial(tm._load_q8_0, n_in=n_in)  # the f32 kernel's load: bytes [BO, NB, 32], scales
@@ -342,11 +275,10 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
         dot = functools.partial(_dot_q8_0_words, dp4a=dp4a)
         extra = (jnp.asarray(d_XC, jnp.float32),)
     else:
-        load = functools.partial(_load_q2_k_from_words if words else _load_q2_k_words, n_in=n_in)
-        dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a, fields=_q2_k_word_fields if words else _q2_k_byte_fields)
+        load = functools.partial(_load_q2_k_words, n_in=n_in)
+        dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a)
         extra = (jnp.asarray(d_XC, jnp.float32),)
         q_XI = q_XI if q_crumb_major else tm._crumb_major(q_XI)
-    return tm.launch(_words(q_XI) if x_in is None else x_in, _as_words(raw_EOR) if words else raw_EOR, idx_K, extra,
-                     load=load, dot=dot,
+    return tm.launch(_words(q_XI) if x_in is None else x_in, raw_EOR, idx_K, extra, load=load, dot=dot,
                      prefetch=qtype in tm.PREFETCH, tile=(bo, nb, warps, splits), steps=n_in // (nb * values * splits),
                      interpret=interpret, name=f"rows_matvec_int8_{qtype.name.lower()}_{layout}")
