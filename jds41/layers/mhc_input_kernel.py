@@ -42,6 +42,13 @@ MOST_COLS = 128  # stream columns of every copy a `_partials` program takes, at 
 PAD = 32  # a program's shares: the mix's (2 + H) H = 24 rows, sum x^2 at slot MIX, sum y^2 at MIX + 1, zeros after
 MIX = (2 + H) * H
 ENABLED = os.environ.get("JDS41_MHC_KERNEL", "1") != "0"
+# The launch layout, read at import for the GPU box's A/B (experiments/device_next.sh mhc): "three" launches
+# (the measured default) or "two" (the split is one more program of the normed launch, whose other programs take
+# y's RMS from the y^2 shares alone); JDS41_MHC_COLS the columns a program takes (a power of two, at most
+# MOST_COLS); JDS41_MHC_WARPS the warps of a `_partials` program.
+FORM = os.environ.get("JDS41_MHC_FORM", "three")
+COLS = int(os.environ.get("JDS41_MHC_COLS", str(MOST_COLS)))
+PARTIAL_WARPS = int(os.environ.get("JDS41_MHC_WARPS", "4"))
 
 
 def _ar(n: int) -> jax.Array:
@@ -54,26 +61,29 @@ def _pow2(n: int) -> int:
 
 def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int):
     n, p = pl.program_id(0), pl.program_id(1)
-    at, slot = p * cols + _ar(cols), _ar(PAD)
-    fn_row = jnp.minimum(slot, MIX - 1)[:, None]  # rows past the mix read its last row again; their sums are dropped
+    at = p * cols + _ar(cols)
     x = [x_ref[n, i, at] for i in range(H)]  # [cols] each
     y = pre_ref[n, 0] * x[0]
     for i in range(1, H):  # hc_collapse's order
         y = y + pre_ref[n, i] * x[i]
+    first, last = _ar(16)[:, None], 16 + _ar(MIX - 16)[:, None]  # the mix's 24 rows as tiles of 16 and 8
     dots = squares = None
     for i in range(H):  # copy by copy: fn's columns i D + c meet x[i, c]
-        dot = jnp.sum(fn_ref[fn_row, i * d + at[None, :]].astype(jnp.float32) * x[i][None, :], axis=1)
+        xi, at_i = x[i][None, :], i * d + at[None, :]
+        dot = [jnp.sum(fn_ref[rows, at_i].astype(jnp.float32) * xi, axis=1) for rows in (first, last)]
         square = jnp.sum(x[i] * x[i])
-        dots, squares = (dot, square) if dots is None else (dots + dot, squares + square)
-    zero = jnp.float32(0)
+        dots, squares = (dot, square) if dots is None else ([a + b for a, b in zip(dots, dot)], squares + square)
     y_ref[n, at] = y
-    part_ref[n, p, slot] = jnp.where(slot < MIX, dots, jnp.where(slot == MIX, squares,
-                                                                 jnp.where(slot == MIX + 1, jnp.sum(y * y), zero)))
+    part_ref[n, p, _ar(16)] = dots[0]
+    part_ref[n, p, 16 + _ar(MIX - 16)] = dots[1]
+    tail, zero = _ar(PAD - MIX), jnp.float32(0)
+    part_ref[n, p, MIX + tail] = jnp.where(tail == 0, squares, jnp.where(tail == 1, jnp.sum(y * y), zero))
 
 
-def _split(part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, rms_ref, *, d: int, programs: int,
-           rms_eps: float, hc_eps: float, iters: int):
-    n = pl.program_id(0)
+def _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, d: int, programs: int,
+               rms_eps: float, hc_eps: float, iters: int):
+    """Row n's shares summed in program order, the mix, its split and Sinkhorn (pre, post, comb written); returns
+    the summed shares [PAD] and their masked picker."""
     one, zero, slot = jnp.float32(1), jnp.float32(0), _ar(PAD)
     at = _ar(_pow2(programs))
     shares = part_ref[n, jnp.minimum(at, programs - 1)[:, None], slot[None, :]]  # [P', PAD]
@@ -90,6 +100,13 @@ def _split(part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, rms_ref, 
     post_ref[n, h_at] = 2 * sigmoid(mix(H + h_at) * scale_ref[1] + base_ref[H + h_at])
     logits = mix(2 * H + src_dst) * scale_ref[2] + base_ref[2 * H + src_dst]
     comb_ref[n, src_dst] = sinkhorn_kernel.normalise(logits, hc_eps, iters)
+    return pick
+
+
+def _split(part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, rms_ref, *, d: int, rms_eps: float,
+           **split):
+    n = pl.program_id(0)
+    pick = _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, d=d, rms_eps=rms_eps, **split)
     rms_ref[n] = lax.rsqrt(pick(jnp.int32(MIX + 1)) / jnp.float32(d) + jnp.float32(rms_eps))
 
 
@@ -99,12 +116,36 @@ def _normed(y_ref, rms_ref, norm_ref, h_ref, *, cols: int):
     h_ref[n, at] = y_ref[n, at] * rms_ref[n] * norm_ref[at]
 
 
-@functools.partial(jax.jit, static_argnames=("rms_eps", "hc_eps", "iters", "interpret"))
+def _normed_or_split(part_ref, y_ref, norm_ref, scale_ref, base_ref, h_ref, pre_ref, post_ref, comb_ref, *, d: int,
+                     cols: int, programs: int, rms_eps: float, **split):
+    """The "two" form's second launch: programs 0 .. P - 1 write h's columns (y's RMS from the y^2 shares), program
+    P splits the mix (`_split_row`) at the same time."""
+    n, p = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(p == programs)
+    def _():
+        _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, d=d, programs=programs,
+                   rms_eps=rms_eps, **split)
+
+    @pl.when(p < programs)
+    def _():
+        at, ps = p * cols + _ar(cols), _ar(_pow2(programs))
+        y_squares = jnp.where(ps < programs, part_ref[n, jnp.minimum(ps, programs - 1), MIX + 1], jnp.float32(0))
+        rms = lax.rsqrt(jnp.sum(y_squares) / jnp.float32(d) + jnp.float32(rms_eps))
+        h_ref[n, at] = y_ref[n, at] * rms * norm_ref[at]
+
+
+@functools.partial(jax.jit, static_argnames=("rms_eps", "hc_eps", "iters", "interpret", "form", "most_cols",
+                                             "partial_warps"))
 def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, rms_eps: float, hc_eps: float,
-                        iters: int, interpret: bool = False):
-    """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D] under the lag."""
+                        iters: int, interpret: bool = False, form: str = FORM, most_cols: int = COLS,
+                        partial_warps: int = PARTIAL_WARPS):
+    """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D] under the lag; `form`,
+    `most_cols` and `partial_warps` as FORM, COLS and PARTIAL_WARPS (experiments/bench_mhc_input.py sweeps them)."""
+    if form not in ("three", "two"):
+        raise ValueError(f"mhc_input_kernel: form {form!r} is not 'three' or 'two'")
     N, _, d = x_NHD.shape
-    cols = math.gcd(d, MOST_COLS)
+    cols = math.gcd(d, most_cols)
     programs = d // cols
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     x_NHD, pre_prev_NH, scale_3, base_M, norm_D = map(f32, (x_NHD, pre_prev_NH, scale_3, base_M, norm_D))
@@ -117,15 +158,21 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
         params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=1)  # noqa: E731
     row = lambda *shape: jax.ShapeDtypeStruct((N, *shape), jnp.float32)  # noqa: E731
     call = functools.partial(pl.pallas_call, interpret=interpret)
-    y, parts = call(functools.partial(_partials, d=d, cols=cols), grid=(N, programs), compiler_params=params(4),
-                    out_shape=(row(d), row(programs, PAD)), name="mhc_input_partials")(x_NHD, fn_MK, pre_prev_NH)
-    pre, post, comb, rms = call(
-        functools.partial(_split, d=d, programs=programs, rms_eps=float(rms_eps), hc_eps=float(hc_eps),
-                          iters=int(iters)),
-        grid=(N,), compiler_params=params(1), out_shape=(row(H), row(H), row(H * H), row()), name="mhc_input_split",
-    )(parts, scale_3, base_M)
-    h = call(functools.partial(_normed, cols=cols), grid=(N, programs), compiler_params=params(4),
-             out_shape=row(d), name="mhc_input_normed")(y, rms, norm_D)
+    y, parts = call(functools.partial(_partials, d=d, cols=cols), grid=(N, programs),
+                    compiler_params=params(partial_warps), out_shape=(row(d), row(programs, PAD)),
+                    name="mhc_input_partials")(x_NHD, fn_MK, pre_prev_NH)
+    split = {"programs": programs, "hc_eps": float(hc_eps), "iters": int(iters)}
+    if form == "two":  # one warp a program: the split's Sinkhorn keeps every reduction in its warp
+        h, pre, post, comb = call(
+            functools.partial(_normed_or_split, d=d, cols=cols, rms_eps=float(rms_eps), **split),
+            grid=(N, programs + 1), compiler_params=params(1), out_shape=(row(d), row(H), row(H), row(H * H)),
+            name="mhc_input_normed_split")(parts, y, norm_D, scale_3, base_M)
+    else:
+        pre, post, comb, rms = call(
+            functools.partial(_split, d=d, rms_eps=float(rms_eps), **split), grid=(N,), compiler_params=params(1),
+            out_shape=(row(H), row(H), row(H * H), row()), name="mhc_input_split")(parts, scale_3, base_M)
+        h = call(functools.partial(_normed, cols=cols), grid=(N, programs), compiler_params=params(4),
+                 out_shape=row(d), name="mhc_input_normed")(y, rms, norm_D)
     out = (h, pre, post, comb.reshape(N, H, H))
     return lax.optimization_barrier(out) if interpret else out
 
@@ -133,7 +180,7 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
 def applies(hc: int, d: int, mix_width: int) -> bool:
     """Whether `sublayer_input` runs the kernels: switched on, Pallas' Triton backend or the interpreter, H = 4
     copies, D with a power-of-two factor of at least 16 (a program's columns), a (2 + H) H mix."""
-    return (ENABLED and hc == H and math.gcd(d, MOST_COLS) >= 16 and mix_width == MIX and triton_matvec.ENABLED
+    return (ENABLED and hc == H and math.gcd(d, COLS) >= 16 and mix_width == MIX and triton_matvec.ENABLED
             and (triton_matvec.has_triton_backend() or triton_matvec.INTERPRET))
 
 
@@ -144,7 +191,8 @@ def sublayer_input(x_HD, pre_prev_H, fn_MK, scale_3, base_M, norm_D, *, rms_eps:
     lead, (hc, d) = x_HD.shape[:-2], x_HD.shape[-2:]
     x_NHD, pre_NH = x_HD.reshape(-1, hc, d), jnp.reshape(pre_prev_H, (-1, hc))
     run = functools.partial(sublayer_input_rows, fn_MK=fn_MK, scale_3=scale_3, base_M=base_M, norm_D=norm_D,
-                            rms_eps=rms_eps, hc_eps=hc_eps, iters=iters)
+                            rms_eps=rms_eps, hc_eps=hc_eps, iters=iters, form=FORM, most_cols=COLS,
+                            partial_warps=PARTIAL_WARPS)
 
     def xla(x, pre):
         return jax.vmap(default)(x, pre)
