@@ -111,8 +111,8 @@ def kernel_ab() -> dict:
     whether its rounding is one Triton launch (JDS41_INT8_ROUND_KERNEL: quant/int8_round_kernel.py), whether a gate
     and an up product share a launch (JDS41_SHARED_LAUNCH: quant/qtensor.py), whether the router's top-K is the
     Triton program (JDS41_TOPK_KERNEL: layers/topk_kernel.py), whether attention is (JDS41_ATTN_KERNEL:
-    layers/attention_kernel.py) and whether V4.1's sublayer inputs are and in which launch
-    layout (JDS41_MHC_KERNEL, JDS41_MHC_FORM, JDS41_MHC_COLS, JDS41_MHC_WARPS: layers/mhc_input_kernel.py)."""
+    layers/attention_kernel.py) and whether V4.1's sublayer inputs are (JDS41_MHC_KERNEL:
+    layers/mhc_input_kernel.py)."""
     from gguf import GGMLQuantizationType as T
 
     from jds41.layers import attention_kernel, mhc_input_kernel, topk_kernel
@@ -124,8 +124,7 @@ def kernel_ab() -> dict:
             "int8_types": sorted(t.name for t in int8_act.INT8_TYPES), "int8_q8_0_form": triton_int8._Q8_0_FORM,
             "int8_round_kernel": int8_round_kernel.ENABLED, "shared_launch": qtensor._SHARED_LAUNCH,
             "topk_kernel": topk_kernel.ENABLED, "attn_kernel": attention_kernel.ENABLED,
-            "mhc_kernel": mhc_input_kernel.ENABLED, "mhc_layout": [mhc_input_kernel.FORM, mhc_input_kernel.COLS,
-                                                                  mhc_input_kernel.PARTIAL_WARPS]}
+            "mhc_kernel": mhc_input_kernel.ENABLED}
 
 
 def _machine() -> str:

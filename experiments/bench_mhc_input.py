@@ -1,14 +1,17 @@
 """V4.1's sublayer input alone on the GPU: XLA's spelling (mix, split, Sinkhorn, collapse, norm: the reference)
-against layers/mhc_input_kernel.py's launches over a sweep of their layout (three or two launches, the columns a
-`_partials` program takes, its warps), at V4.1's shape (4 copies of D = 5120, a 24-row mix).
+against layers/mhc_input_kernel.py's two launches over a sweep of their layout (the columns a `_partials` program
+takes, its warps), at V4.1's shape (4 copies of D = 5120, a 24-row mix).
 
-    python experiments/bench_mhc_input.py [--chain 32] [--layouts three:128:4,two:128:4,...] [--out FILE]
+    python experiments/bench_mhc_input.py [--chain 32] [--layouts 128:4,64:1,...] [--out FILE]
 
-Why: the decode profile of the thirty-sixth session (results/profile_decode_mhc36_v41_4L_h100.jsonl) has the three
-launches at ~4.0 + 4.5 + 1.3 us a sublayer, two sublayers a layer; this times their layouts without a decode run.
+Why: in the decode profiles of the thirty-sixth session (results/profile_decode_mhc36_v41_4L_h100.jsonl,
+profile_decode_mhc_two36_v41_4L_h100.jsonl) the launches take ~4.0 and ~4.6 us a sublayer, two sublayers a layer;
+this times their layouts without a decode run.
 A timed call runs `--chain` sublayer inputs in one jitted straight-line chain (no loop: a loop's own round trip
 would swamp ~10 us), each taking the previous one's pre as its handed-over pre, so none can be hoisted or run
-ahead; the row gives the time a sublayer input, launches and the gaps between them included, as in decode. One
+ahead, and every h is summed into the result (one small XLA add a call, the same for every layout: otherwise XLA
+drops a launch whose only output is an unused h); the row gives the time a sublayer input, launches and the gaps
+between them included, as in decode. One
 JSON line per layout, with the largest difference from XLA's output. CPU runs check the code path only (the kernels
 then run in Pallas' interpreter on a shrunk shape).
 """
@@ -31,7 +34,7 @@ from jds41.layers import mhc_input_kernel  # noqa: E402
 from jds41.layers.mhc import hc_collapse, hc_mix, hc_split  # noqa: E402
 from jds41.layers.norm import rms_norm  # noqa: E402
 
-DEFAULT_LAYOUTS = "three:128:4,two:128:4,two:128:1,two:64:4,two:64:1,two:32:1,three:64:1"
+DEFAULT_LAYOUTS = "128:4,128:1,64:4,64:1,32:1"
 EPS, ITERS = 1e-6, 20
 
 
@@ -43,23 +46,23 @@ def _xla(x_HD, pre_prev, fn, scale, base, norm):
 def _chain(one, length: int):
     """`length` sublayer inputs, each fed the previous one's pre; returns the last (h, pre, post, comb)."""
     def run(x, pre, fn, scale, base, norm):
-        out = None
+        out, hs = None, 0
         for _ in range(length):
             out = one(x, pre, fn, scale, base, norm)
-            pre = out[1]
-        return out
+            pre, hs = out[1], hs + out[0]
+        return hs, out
     return jax.jit(run)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chain", type=int, default=32)
-    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated form:columns:partial-warps layouts")
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated columns:partial-warps layouts")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
     d, chain = (5120, a.chain) if gpu else (256, min(a.chain, 2))  # the interpreter is slow: a small shape off the GPU
-    layouts = [(f, int(c), int(w)) for f, c, w in (t.split(":") for t in a.layouts.split(","))]
+    layouts = [tuple(int(v) for v in t.split(":")) for t in a.layouts.split(",")]
     common = {"bench": "mhc_input", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "chain": chain, "copies": 4, "dim": d, "iters": ITERS}
     rng = np.random.default_rng(0)
@@ -72,16 +75,15 @@ def main(argv=None) -> int:
     args = (x, pre, fn, scale, base, norm)
     xla = lambda x, p, f, s, b, n: _xla(x, p, f.astype(jnp.float32), s, b, n)  # noqa: E731
     want = [np.asarray(v) for v in jax.jit(xla)(*args)]
-    for form, cols, warps in [("xla", None, None)] + layouts:
-        row = {**common, "path": "xla" if cols is None else "kernels", "form": form, "cols": cols,
-               "partial_warps": warps}
+    for cols, warps in [(None, None)] + layouts:
+        row = {**common, "path": "xla" if cols is None else "kernels", "cols": cols, "partial_warps": warps}
         if cols is None:
             one = xla
         else:
-            def one(x, p, f, s, b, n, form=form, cols=cols, warps=warps):
+            def one(x, p, f, s, b, n, cols=cols, warps=warps):
                 h, pre, post, comb = mhc_input_kernel.sublayer_input_rows(
                     x[None], p[None], f, s, b, n, rms_eps=EPS, hc_eps=EPS, iters=ITERS, interpret=not gpu,
-                    form=form, most_cols=cols, partial_warps=warps)
+                    most_cols=cols, partial_warps=warps)
                 return h[0], pre[0], post[0], comb[0]
         try:
             got = [np.asarray(v) for v in jax.jit(one)(*args)]

@@ -34,9 +34,9 @@
 #                                             # step that way); AB_ON2 adds a third arm; rounds while
 #                                             # time allows, then one profile an arm, ~8 min
 #   bash experiments/device_next.sh mhc       # V4.1's sublayer-input launches (layers/mhc_input_kernel.py): GPU
-#                                             # tests of every layout, their sweep alone (experiments/
-#                                             # bench_mhc_input.py), then decode rounds of the defaults against
-#                                             # the fastest layout within f32 rounding of XLA, a profile of it, ~9 min
+#                                             # tests, then their layouts alone (experiments/bench_mhc_input.py,
+#                                             # every h consumed), ~2 min. Its first form (thirty-sixth session)
+#                                             # A/B'd three launches against two in decode: two won, 753.7 vs 737.1
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -150,34 +150,10 @@ case "${1:-}" in
       read -r -a e <<<"$arm"; env "${e[@]}" python3 experiments/profile_decode.py "${prof[@]}"
     done
     if (( SECONDS < 500 )); then python3 experiments/profile_decode.py "${prof[@]}"; fi ;;
-  mhc)  # the defaults (three launches, 128 columns) against the sweep's fastest other layout; pytest unbuffered
+  mhc)  # pytest unbuffered, so a timeout still leaves its lines
     python3 -u -m pytest -q -m gpu -rf --tb=line tests/test_mhc_input_kernel.py 2>&1 | tail -4 \
       | tee "$OUT/mhc_gpu_tests.txt" || true
-    python3 experiments/bench_mhc_input.py --out "$OUT/bench_mhc_input.jsonl" || true
-    arm=$(python3 - "$OUT/bench_mhc_input.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1])]
-ok = [r for r in rows if r["path"] == "kernels" and "error" not in r and r["max_rel_diff_vs_xla"] < 1e-5
-      and (r["form"], r["cols"], r["partial_warps"]) != ("three", 128, 4)]
-best = min(ok, key=lambda r: r["us"]) if ok else None
-print(f"JDS41_MHC_FORM={best['form']} JDS41_MHC_COLS={best['cols']} JDS41_MHC_WARPS={best['partial_warps']}"
-      if best else "")
-PY
-)
-    echo "arm: ${arm:-none}" | tee -a "$OUT/mhc_gpu_tests.txt"
-    [ -n "$arm" ] || exit 1
-    read -r -a e <<<"$arm"
-    rounds=0
-    while (( rounds < 2 || SECONDS < ${MHC_DECODE_UNTIL_S:-400} )); do
-      python3 experiments/bench_decode.py "${V41_DECODE[@]}" --out "$OUT/bench_decode_mhc_v41_4L.jsonl" || true
-      env "${e[@]}" python3 experiments/bench_decode.py "${V41_DECODE[@]}" --out "$OUT/bench_decode_mhc_v41_4L.jsonl" \
-        || true
-      rounds=$((rounds + 1))
-    done
-    if (( SECONDS < 500 )); then
-      env "${e[@]}" python3 experiments/profile_decode.py "${V41_PROFILE[@]}" --out "$OUT/profile_decode_mhc_v41_4L.jsonl" \
-        || true
-    fi ;;
+    python3 experiments/bench_mhc_input.py --out "$OUT/bench_mhc_input.jsonl" ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")

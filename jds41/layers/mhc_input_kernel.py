@@ -1,4 +1,4 @@
-"""A V4.1 sublayer's input (model.sublayer_input under the mHC lag) as three Pallas (Triton) launches on the GPU.
+"""A V4.1 sublayer's input (model.sublayer_input under the mHC lag) as two Pallas (Triton) launches on the GPU.
 
 Why (experiments/README.md, thirty-fourth session): XLA runs a sublayer's input from its stream x [H, D] (the
 stream's RMS, the mix fn @ x, the split, the Sinkhorn kernel, the collapse, the norm) as eleven kernels of 1-3.3 us,
@@ -10,17 +10,19 @@ read of the stream or of `fn` (1 MB of f16) is spread over D / cols programs, an
 1. `_partials` (grid rows x D / cols, cols = gcd(D, 128): 40 programs at V4.1's D = 5120): a program takes `cols`
    columns of every copy: y = sum_i pre_prev_i x_i (the collapse, in the reference's order) and the columns' shares
    of fn @ x (24 values), of sum x^2 and of sum y^2.
-2. `_split` (one program a row, one warp, so every reduction stays in the warp): the shares summed in program
-   order, mix = (fn @ x) * rsqrt(mean(x^2) + eps) (the reference normalises x first: the same value to f32
-   rounding), the split (sigmoid, 2 sigmoid, Sinkhorn by sinkhorn_kernel.normalise) and y's rsqrt(mean(y^2) + eps).
-3. `_normed` (grid rows x D / cols): h = y * that * norm.
+2. `_normed_or_split` (grid rows x (D / cols + 1), one warp a program): programs 0 .. D / cols - 1 write h = y *
+   rsqrt(mean(y^2) + eps) * norm over their columns, mean(y^2) from the y^2 shares; the last program at the same
+   time sums every share in program order, forms mix = (fn @ x) * rsqrt(mean(x^2) + eps) (the reference
+   normalises x first: the same value to f32 rounding) and splits it (sigmoid, 2 sigmoid, Sinkhorn by
+   sinkhorn_kernel.normalise), its reductions all in its one warp.
 
 Each row's arithmetic does not depend on the rows around it (a program reads one row), so decode, verification and
 prefill rows agree exactly on CUDA, as with every kernel here; against the XLA spelling (the reference, every other
-platform) they agree to f32 rounding. On by default since the thirty-sixth session (an H100, experiments/README.md:
-V4.1's 4-layer decode 746.9 and 745.5 tok/s against 737.8 and 719.5 without, the 40-layer fit 0.218 ms a layer
-against 0.231; the kernels ~10 us a sublayer against XLA's ~17); JDS41_MHC_KERNEL=0 (read at import) takes XLA's
-spelling. JDS41_TRITON=interpret runs it in Pallas' interpreter on every platform (tests/test_mhc_input_kernel.py).
+platform) they agree to f32 rounding. On by default since the thirty-sixth session (an H100, experiments/README.md):
+as three launches (the split a launch of its own) V4.1's 4-layer decode took 746.9 and 745.5 tok/s against 737.8
+and 719.5 with XLA's, the 40-layer fit 0.218 ms a layer against 0.231; the split folded into the normed launch then
+gave 753.7 against 737.1 tok/s (four rounds each). JDS41_MHC_KERNEL=0 (read at import) takes XLA's spelling.
+JDS41_TRITON=interpret runs it in Pallas' interpreter on every platform (tests/test_mhc_input_kernel.py).
 """
 
 from __future__ import annotations
@@ -42,13 +44,6 @@ MOST_COLS = 128  # stream columns of every copy a `_partials` program takes, at 
 PAD = 32  # a program's shares: the mix's (2 + H) H = 24 rows, sum x^2 at slot MIX, sum y^2 at MIX + 1, zeros after
 MIX = (2 + H) * H
 ENABLED = os.environ.get("JDS41_MHC_KERNEL", "1") != "0"
-# The launch layout, read at import for the GPU box's A/B (experiments/device_next.sh mhc): "three" launches
-# (the measured default) or "two" (the split is one more program of the normed launch, whose other programs take
-# y's RMS from the y^2 shares alone); JDS41_MHC_COLS the columns a program takes (a power of two, at most
-# MOST_COLS); JDS41_MHC_WARPS the warps of a `_partials` program.
-FORM = os.environ.get("JDS41_MHC_FORM", "three")
-COLS = int(os.environ.get("JDS41_MHC_COLS", str(MOST_COLS)))
-PARTIAL_WARPS = int(os.environ.get("JDS41_MHC_WARPS", "4"))
 
 
 def _ar(n: int) -> jax.Array:
@@ -61,29 +56,26 @@ def _pow2(n: int) -> int:
 
 def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int):
     n, p = pl.program_id(0), pl.program_id(1)
-    at = p * cols + _ar(cols)
+    at, slot = p * cols + _ar(cols), _ar(PAD)
+    fn_row = jnp.minimum(slot, MIX - 1)[:, None]  # rows past the mix read its last row again; their sums are dropped
     x = [x_ref[n, i, at] for i in range(H)]  # [cols] each
     y = pre_ref[n, 0] * x[0]
     for i in range(1, H):  # hc_collapse's order
         y = y + pre_ref[n, i] * x[i]
-    first, last = _ar(16)[:, None], 16 + _ar(MIX - 16)[:, None]  # the mix's 24 rows as tiles of 16 and 8
     dots = squares = None
     for i in range(H):  # copy by copy: fn's columns i D + c meet x[i, c]
-        xi, at_i = x[i][None, :], i * d + at[None, :]
-        dot = [jnp.sum(fn_ref[rows, at_i].astype(jnp.float32) * xi, axis=1) for rows in (first, last)]
+        dot = jnp.sum(fn_ref[fn_row, i * d + at[None, :]].astype(jnp.float32) * x[i][None, :], axis=1)
         square = jnp.sum(x[i] * x[i])
-        dots, squares = (dot, square) if dots is None else ([a + b for a, b in zip(dots, dot)], squares + square)
+        dots, squares = (dot, square) if dots is None else (dots + dot, squares + square)
+    zero = jnp.float32(0)
     y_ref[n, at] = y
-    part_ref[n, p, _ar(16)] = dots[0]
-    part_ref[n, p, 16 + _ar(MIX - 16)] = dots[1]
-    tail, zero = _ar(PAD - MIX), jnp.float32(0)
-    part_ref[n, p, MIX + tail] = jnp.where(tail == 0, squares, jnp.where(tail == 1, jnp.sum(y * y), zero))
+    part_ref[n, p, slot] = jnp.where(slot < MIX, dots, jnp.where(slot == MIX, squares,
+                                                                 jnp.where(slot == MIX + 1, jnp.sum(y * y), zero)))
 
 
 def _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, d: int, programs: int,
                rms_eps: float, hc_eps: float, iters: int):
-    """Row n's shares summed in program order, the mix, its split and Sinkhorn (pre, post, comb written); returns
-    the summed shares [PAD] and their masked picker."""
+    """Row n's shares summed in program order, the mix, its split and Sinkhorn (pre, post, comb written)."""
     one, zero, slot = jnp.float32(1), jnp.float32(0), _ar(PAD)
     at = _ar(_pow2(programs))
     shares = part_ref[n, jnp.minimum(at, programs - 1)[:, None], slot[None, :]]  # [P', PAD]
@@ -100,50 +92,37 @@ def _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *,
     post_ref[n, h_at] = 2 * sigmoid(mix(H + h_at) * scale_ref[1] + base_ref[H + h_at])
     logits = mix(2 * H + src_dst) * scale_ref[2] + base_ref[2 * H + src_dst]
     comb_ref[n, src_dst] = sinkhorn_kernel.normalise(logits, hc_eps, iters)
-    return pick
-
-
-def _split(part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, rms_ref, *, d: int, rms_eps: float,
-           **split):
-    n = pl.program_id(0)
-    pick = _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, d=d, rms_eps=rms_eps, **split)
-    rms_ref[n] = lax.rsqrt(pick(jnp.int32(MIX + 1)) / jnp.float32(d) + jnp.float32(rms_eps))
-
-
-def _normed(y_ref, rms_ref, norm_ref, h_ref, *, cols: int):
-    n, p = pl.program_id(0), pl.program_id(1)
-    at = p * cols + _ar(cols)
-    h_ref[n, at] = y_ref[n, at] * rms_ref[n] * norm_ref[at]
 
 
 def _normed_or_split(part_ref, y_ref, norm_ref, scale_ref, base_ref, h_ref, pre_ref, post_ref, comb_ref, *, d: int,
                      cols: int, programs: int, rms_eps: float, **split):
-    """The "two" form's second launch: programs 0 .. P - 1 write h's columns (y's RMS from the y^2 shares), program
-    P splits the mix (`_split_row`) at the same time."""
+    """The second launch: programs 0 .. P - 1 write h's columns (y's RMS from the y^2 shares), program P splits
+    the mix (`_split_row`) at the same time."""
     n, p = pl.program_id(0), pl.program_id(1)
 
     @pl.when(p == programs)
-    def _():
+    def split_program():
         _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, d=d, programs=programs,
                    rms_eps=rms_eps, **split)
 
     @pl.when(p < programs)
-    def _():
+    def normed_program():
         at, ps = p * cols + _ar(cols), _ar(_pow2(programs))
         y_squares = jnp.where(ps < programs, part_ref[n, jnp.minimum(ps, programs - 1), MIX + 1], jnp.float32(0))
         rms = lax.rsqrt(jnp.sum(y_squares) / jnp.float32(d) + jnp.float32(rms_eps))
         h_ref[n, at] = y_ref[n, at] * rms * norm_ref[at]
 
 
-@functools.partial(jax.jit, static_argnames=("rms_eps", "hc_eps", "iters", "interpret", "form", "most_cols",
+@functools.partial(jax.jit, static_argnames=("rms_eps", "hc_eps", "iters", "interpret", "most_cols",
                                              "partial_warps"))
 def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, rms_eps: float, hc_eps: float,
-                        iters: int, interpret: bool = False, form: str = FORM, most_cols: int = COLS,
-                        partial_warps: int = PARTIAL_WARPS):
-    """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D] under the lag; `form`,
-    `most_cols` and `partial_warps` as FORM, COLS and PARTIAL_WARPS (experiments/bench_mhc_input.py sweeps them)."""
-    if form not in ("three", "two"):
-        raise ValueError(f"mhc_input_kernel: form {form!r} is not 'three' or 'two'")
+                        iters: int, interpret: bool = False, most_cols: int = MOST_COLS, partial_warps: int = 4):
+    """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D] under the lag. `most_cols`
+    (a power of two) and `partial_warps` (a `_partials` program's warps) are the layout experiments/
+    bench_mhc_input.py sweeps; 128 and 4 were the fastest on an H100."""
+    if most_cols < 16 or most_cols & (most_cols - 1) or partial_warps not in (1, 2, 4, 8):
+        raise ValueError(f"mhc_input_kernel: {most_cols} columns and {partial_warps} warps a program; columns a "
+                         "power of two of at least 16, warps 1, 2, 4 or 8")
     N, _, d = x_NHD.shape
     cols = math.gcd(d, most_cols)
     programs = d // cols
@@ -161,18 +140,11 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
     y, parts = call(functools.partial(_partials, d=d, cols=cols), grid=(N, programs),
                     compiler_params=params(partial_warps), out_shape=(row(d), row(programs, PAD)),
                     name="mhc_input_partials")(x_NHD, fn_MK, pre_prev_NH)
-    split = {"programs": programs, "hc_eps": float(hc_eps), "iters": int(iters)}
-    if form == "two":  # one warp a program: the split's Sinkhorn keeps every reduction in its warp
-        h, pre, post, comb = call(
-            functools.partial(_normed_or_split, d=d, cols=cols, rms_eps=float(rms_eps), **split),
-            grid=(N, programs + 1), compiler_params=params(1), out_shape=(row(d), row(H), row(H), row(H * H)),
-            name="mhc_input_normed_split")(parts, y, norm_D, scale_3, base_M)
-    else:
-        pre, post, comb, rms = call(
-            functools.partial(_split, d=d, rms_eps=float(rms_eps), **split), grid=(N,), compiler_params=params(1),
-            out_shape=(row(H), row(H), row(H * H), row()), name="mhc_input_split")(parts, scale_3, base_M)
-        h = call(functools.partial(_normed, cols=cols), grid=(N, programs), compiler_params=params(4),
-                 out_shape=row(d), name="mhc_input_normed")(y, rms, norm_D)
+    h, pre, post, comb = call(  # one warp a program: the split's Sinkhorn keeps every reduction in its warp
+        functools.partial(_normed_or_split, d=d, cols=cols, programs=programs, rms_eps=float(rms_eps),
+                          hc_eps=float(hc_eps), iters=int(iters)),
+        grid=(N, programs + 1), compiler_params=params(1), out_shape=(row(d), row(H), row(H), row(H * H)),
+        name="mhc_input_normed_split")(parts, y, norm_D, scale_3, base_M)
     out = (h, pre, post, comb.reshape(N, H, H))
     return lax.optimization_barrier(out) if interpret else out
 
@@ -180,7 +152,7 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
 def applies(hc: int, d: int, mix_width: int) -> bool:
     """Whether `sublayer_input` runs the kernels: switched on, Pallas' Triton backend or the interpreter, H = 4
     copies, D with a power-of-two factor of at least 16 (a program's columns), a (2 + H) H mix."""
-    return (ENABLED and hc == H and math.gcd(d, COLS) >= 16 and mix_width == MIX and triton_matvec.ENABLED
+    return (ENABLED and hc == H and math.gcd(d, MOST_COLS) >= 16 and mix_width == MIX and triton_matvec.ENABLED
             and (triton_matvec.has_triton_backend() or triton_matvec.INTERPRET))
 
 
@@ -191,8 +163,7 @@ def sublayer_input(x_HD, pre_prev_H, fn_MK, scale_3, base_M, norm_D, *, rms_eps:
     lead, (hc, d) = x_HD.shape[:-2], x_HD.shape[-2:]
     x_NHD, pre_NH = x_HD.reshape(-1, hc, d), jnp.reshape(pre_prev_H, (-1, hc))
     run = functools.partial(sublayer_input_rows, fn_MK=fn_MK, scale_3=scale_3, base_M=base_M, norm_D=norm_D,
-                            rms_eps=rms_eps, hc_eps=hc_eps, iters=iters, form=FORM, most_cols=COLS,
-                            partial_warps=PARTIAL_WARPS)
+                            rms_eps=rms_eps, hc_eps=hc_eps, iters=iters)
 
     def xla(x, pre):
         return jax.vmap(default)(x, pre)
