@@ -112,10 +112,11 @@ def kernel_ab() -> dict:
     and an up product share a launch (JDS41_SHARED_LAUNCH: quant/qtensor.py), whether the router's top-K is the
     Triton program (JDS41_TOPK_KERNEL: layers/topk_kernel.py), whether attention is (JDS41_ATTN_KERNEL:
     layers/attention_kernel.py) and whether V4.1's sublayer inputs are (JDS41_MHC_KERNEL:
-    layers/mhc_input_kernel.py)."""
+    layers/mhc_input_kernel.py) and whether the shared expert and the latent run on a second stream, and by which
+    form of compute_on (JDS41_SIDE_STREAM: layers/side_stream.py)."""
     from gguf import GGMLQuantizationType as T
 
-    from jds41.layers import attention_kernel, mhc_input_kernel, topk_kernel
+    from jds41.layers import attention_kernel, mhc_input_kernel, side_stream, topk_kernel
     from jds41.quant import int8_act, int8_round_kernel, planar, qtensor, triton_int8, triton_matvec
 
     return {"kernel_prefetch": sorted(t.name for t in triton_matvec.PREFETCH),
@@ -124,7 +125,7 @@ def kernel_ab() -> dict:
             "int8_types": sorted(t.name for t in int8_act.INT8_TYPES), "int8_q8_0_form": triton_int8._Q8_0_FORM,
             "int8_round_kernel": int8_round_kernel.ENABLED, "shared_launch": qtensor._SHARED_LAUNCH,
             "topk_kernel": topk_kernel.ENABLED, "attn_kernel": attention_kernel.ENABLED,
-            "mhc_kernel": mhc_input_kernel.ENABLED}
+            "mhc_kernel": mhc_input_kernel.ENABLED, "side_stream": side_stream.MECHANISM}
 
 
 def _machine() -> str:

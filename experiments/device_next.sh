@@ -37,6 +37,11 @@
 #                                             # tests, then their layouts alone (experiments/bench_mhc_input.py,
 #                                             # every h consumed), ~2 min. Its first form (thirty-sixth session)
 #                                             # A/B'd three launches against two in decode: two won, 753.7 vs 737.1
+#   bash experiments/device_next.sh side-stream  # the shared expert and the K = V latent on a second CUDA stream
+#                                             # (JDS41_SIDE_STREAM=1, layers/side_stream.py; the same bits): decode
+#                                             # ABAB of the defaults, the switch, and the switch with XLA's latency
+#                                             # hiding scheduler (which places the async start and done), then a
+#                                             # profile an arm (decode-ab below), ~8 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -154,6 +159,9 @@ case "${1:-}" in
     python3 -u -m pytest -q -m gpu -rf --tb=line tests/test_mhc_input_kernel.py 2>&1 | tail -4 \
       | tee "$OUT/mhc_gpu_tests.txt" || true
     python3 experiments/bench_mhc_input.py --out "$OUT/bench_mhc_input.jsonl" ;;
+  side-stream)
+    AB_ON="JDS41_SIDE_STREAM=1" AB_ON2="JDS41_SIDE_STREAM=1 XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true" \
+      bash "$0" decode-ab ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
@@ -162,6 +170,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|v4" >&2
     exit 2 ;;
 esac

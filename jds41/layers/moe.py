@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jds41.layers.rowwise import island, map_rows
+from jds41.layers.side_stream import on_side_stream
 from jds41.quant import qmatvec, qmatvec_experts, qmatvec_experts_parts, qmatvec_parts
 
 CLAMP_MIN_LIMIT = 1e-6  # llama.cpp applies the SwiGLU clamps only for limit > 1e-6 (0 = off)
@@ -76,10 +77,14 @@ def routed_experts(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Arr
 
 
 def shared_expert(x_D: jax.Array, gate, up, down, limit) -> jax.Array:
-    """The shared expert of one token (weight 1) -> [D]. gate/up [F*S, D], down [D, F*S] QTensors."""
-    x_D = island(jnp.asarray(x_D, jnp.float32))
-    h_F = swiglu(*qmatvec_parts(x_D, (gate, up)), limit)  # one launch where switched on, as above
-    return island(qmatvec(h_F, down))
+    """The shared expert of one token (weight 1) -> [D]. gate/up [F*S, D], down [D, F*S] QTensors. It does not
+    depend on the routed experts: with JDS41_SIDE_STREAM=1 its kernels run on a second CUDA stream beside theirs
+    (layers/side_stream.py), the same values."""
+    def body(x_D, gate, up, down):
+        h_F = swiglu(*qmatvec_parts(x_D, (gate, up)), limit)  # one launch where switched on, as above
+        return qmatvec(h_F, down)
+
+    return island(on_side_stream(body, island(jnp.asarray(x_D, jnp.float32)), gate, up, down))
 
 
 def routed_experts_rows(x_TD: jax.Array, gate_exps, up_exps, down_exps, idx_TK: jax.Array, weight_TK: jax.Array,

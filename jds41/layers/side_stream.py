@@ -1,0 +1,56 @@
+"""An independent branch of a layer on a second CUDA stream (XLA's explicit stream annotation), so its kernels can
+run while the main stream's run.
+
+Why (experiments/README.md, thirty-sixth session): in V4.1's decode profile on an H100 the GPU is never idle
+between kernels (every gap ~0 us), so a layer takes the sum of its ~40 kernels' durations, and many are short
+kernels whose fixed cost (launch, ramp, tail) is most of their time. Two branches of a layer do not depend on the
+rest of it until their results are added: the shared expert (two Q8_0 launches and a multiply, ~24 us) beside the
+router and the routed experts (~65 us), and the token's K = V latent (a Q8_0 launch, its norm and rotation,
+~6 us) beside the query's two products (~28 us). On a second stream their kernels can fill the SMs the other
+branch's kernels leave idle in their ramps and tails. The kernels and their inputs are the same either way, so
+every value is the same bits; only the order in which the GPU runs them changes.
+
+`on_side_stream(fn, *args)` is fn(*args) wrapped in JAX's region-based `compute_on` with compute type
+"gpu_stream:1": XLA turns the call into an async start and done on stream 1 (its flag
+`xla_gpu_experimental_stream_annotation`, on by default in recent XLA); other platforms ignore the annotation and
+run the call in place. Off unless JDS41_SIDE_STREAM=1 (read at import) until measured on the GPU box
+(experiments/device_next.sh side-stream); where the installed jax offers no region-based `compute_on`, it stays
+off (`MECHANISM` says which form is used).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+
+import jax
+
+ENABLED = os.environ.get("JDS41_SIDE_STREAM", "0") == "1"
+STREAM = "gpu_stream:1"
+
+
+def _region_compute_on():
+    """(the installed jax's region-based compute_on, its name), or (None, why not): jax 0.10 calls it
+    `compute_on2`; later versions rewrote `compute_on` itself into that form."""
+    try:
+        from jax.experimental import compute_on as module
+    except ImportError:
+        return None, "no jax.experimental.compute_on"
+    if hasattr(module, "compute_on2"):
+        return module.compute_on2, "compute_on2"
+    if "out_memory_spaces" in inspect.signature(module.compute_on).parameters:
+        return module.compute_on, "compute_on"
+    return None, "compute_on without regions"
+
+
+_REGION, _FORM = _region_compute_on()
+MECHANISM = (_FORM if _REGION is not None else f"unavailable ({_FORM})") if ENABLED else "off"
+
+
+def on_side_stream(fn: Callable, *args):
+    """fn(*args) (a pytree of device arrays out), its kernels on stream 1 where switched on; the same values."""
+    if not ENABLED or _REGION is None:
+        return fn(*args)
+    wrapped = _REGION(fn, compute_type=STREAM, out_memory_spaces=jax.memory.Space.Device)
+    return wrapped(*args)

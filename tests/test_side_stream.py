@@ -1,0 +1,87 @@
+"""The second CUDA stream for independent branches (jds41/layers/side_stream.py, JDS41_SIDE_STREAM=1).
+
+On every machine: switched on, the shared expert and the K = V latent lower for CUDA to calls annotated for stream 1
+(and switched off, to none); and an engine with the switch on gives the bits of one with it off (prompt logits,
+greedy tokens, the device loop's tokens, drafted tokens), the switch being read at import, hence subprocesses.
+Other platforms run the annotated call in place, so the engine check holds what the annotation must never change:
+the values. Whether the GPU overlaps the branches is measured on the GPU box (experiments/device_next.sh
+side-stream), not asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from jds41.layers import attention, moe, side_stream
+from jds41.quant import QTensor
+
+ROOT = Path(__file__).resolve().parents[1]
+ANNOTATION = "_xla_stream_annotation"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_branches_lower_to_stream_annotated_calls_only_when_switched_on(monkeypatch, enabled):
+    monkeypatch.setattr(side_stream, "ENABLED", enabled)
+    d, f, kv = 256, 128, 64
+    x = jax.ShapeDtypeStruct((d,), jnp.float32)
+    gate, up = QTensor.abstract(T.Q8_0, (f, d)), QTensor.abstract(T.Q8_0, (f, d))
+    down = QTensor.abstract(T.Q8_0, (d, f))
+    shared = jax.jit(lambda x, g, u, dn: moe.shared_expert(x, g, u, dn, 7.0)).trace(x, gate, up, down)
+    cfg = types.SimpleNamespace(rms_eps=1e-6)
+    w = {"attn_kv": QTensor.abstract(T.Q8_0, (kv, d)), "attn_kv_a_norm": jax.ShapeDtypeStruct((kv,), jnp.float32)}
+    freqs = jax.ShapeDtypeStruct((8,), jnp.float32)
+    latent = jax.jit(lambda h, w, p, fr: attention.latent(cfg, w, h, p, fr)).trace(
+        x, w, jax.ShapeDtypeStruct((), jnp.int32), freqs)
+    for traced in (shared, latent):
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert (f'{ANNOTATION} = "1"' in text) is enabled
+
+
+# argv: model, output .npy; prints one JSON line (the mechanism, the tokens of each path)
+_ENGINE_RUN = r"""
+import json, sys
+import numpy as np
+from jds41.decode_loop import greedy_generate
+from jds41.engine import Engine
+from jds41.layers import side_stream
+from jds41.speculative import DSparkDrafter, SpeculativeSession
+
+model, out = sys.argv[1:3]
+toks = [int(t) for t in np.random.default_rng(4).integers(8, 400, 24)]
+e = Engine.open(model, max_ctx=96, prefill_chunk=16)
+np.save(out, e.session().feed(toks, all_logits=True))
+s = e.session()
+print(json.dumps({"mechanism": side_stream.MECHANISM, "greedy": list(e.session().generate(toks, 6)),
+                  "device_loop": greedy_generate(s, int(np.argmax(s.feed(toks))), 6),
+                  "drafted": list(SpeculativeSession(e, DSparkDrafter.open(e, "self")).generate(toks, 6))}))
+"""
+
+
+@pytest.mark.slow
+def test_an_engine_gives_the_same_bits_with_the_side_stream(synthetic_model, tmp_path):
+    model = str(synthetic_model("deepseek41", "tiny", "mxfp4", draft_stages=2))
+    runs = {}
+    for switch in ("1", "0"):
+        out = tmp_path / f"logits{switch}.npy"
+        env = {**os.environ, "JDS41_SIDE_STREAM": switch, "JAX_PLATFORMS": "cpu",
+               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([sys.executable, "-c", _ENGINE_RUN, model, str(out)], env=env, capture_output=True,
+                              text=True, timeout=900, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[switch] = (json.loads(done.stdout.strip().splitlines()[-1]), np.load(out))
+    (on, on_logits), (off, off_logits) = runs["1"], runs["0"]
+    assert on["mechanism"].startswith("compute_on") and off["mechanism"] == "off"  # the annotated path really ran
+    np.testing.assert_array_equal(on_logits, off_logits)
+    assert on["greedy"] == off["greedy"] == on["device_loop"] == on["drafted"]
+    assert off["device_loop"] == off["drafted"] == off["greedy"]
