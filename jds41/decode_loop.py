@@ -25,7 +25,7 @@ import numpy as np
 
 from jds41 import model as M
 from jds41.block_step import step_at_width
-from jds41.engram_host_call import step_rows_fn
+from jds41.engram_host_call import fetch_step_rows, step_rows_fn
 
 MAX_STOP_IDS = 8  # stop ids are a fixed-size array (padded with -1) so the loop compiles once per model
 
@@ -52,7 +52,7 @@ def _loop(plan: M.ModelPlan, n_max: int, rows_fn, trace: bool, params, state, fi
 
     def body(c):
         st, tok, count, out, hist, n_hist, routing = c
-        rows = None if rows_fn is None else rows_fn(tok[None], hist, n_hist)[0]
+        rows = None if rows_fn is None else fetch_step_rows(rows_fn, tok[None], hist, n_hist)[0]
         res = step_at_width(plan, params, st, tok, rows, trace)
         logits, st = res[0], res[1]
         pred = jnp.argmax(logits).astype(jnp.int32)  # first maximum, like numpy's argmax in engine.sample

@@ -19,6 +19,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from jds41.layers.engram_rows import read_step_rows
+from jds41.layers.side_stream import on_side_stream
 from jds41.native.engram_ffi import engram_ffi_for
 
 
@@ -55,3 +56,11 @@ def step_rows_fn(engine):
     if engine not in _STEP_ROWS:
         _STEP_ROWS[engine] = engram_ffi_for(engine) or CallbackRows(engine)
     return _STEP_ROWS[engine]
+
+
+def fetch_step_rows(rows_fn, block, hist, n_hist):
+    """`rows_fn(block, hist, n_hist)` inside a device loop's step. Only the Engram layers read the rows (V4.1's
+    first is layer 1), so with JDS41_SIDE_STREAM=1 the host round trip (~200 us a token on an H100: copies out and
+    in, the lookup) goes on the second stream (layers/side_stream.py), where it can overlap the layers before them;
+    the same rows either way."""
+    return on_side_stream(rows_fn, block, hist, n_hist)

@@ -43,7 +43,7 @@ import numpy as np
 from jds41 import model as M
 from jds41.block_step import step_at_width
 from jds41.decode_loop import _history, stop_array
-from jds41.engram_host_call import step_rows_fn
+from jds41.engram_host_call import fetch_step_rows, step_rows_fn
 from jds41.speculative import rollback, verify_block
 
 N_STATS = 5  # steps, drafted, accepted, emitted, plain_steps: DraftStats' counters, summed on the device
@@ -166,7 +166,7 @@ def _loop(plan: M.ModelPlan, draft, n_max: int, rows_fn, trace: bool, how: str, 
                "predicted_next": jnp.full((n_max + W, L, K), -1, jnp.int32)}
 
     def rows_of(block, hist, n_hist):
-        return None if rows_fn is None else rows_fn(block, hist, n_hist)
+        return None if rows_fn is None else fetch_step_rows(rows_fn, block, hist, n_hist)
 
     def verify(operands):
         st, dst, last, hist, n_hist = operands

@@ -2,7 +2,8 @@
 
 On every machine: switched on, the shared expert and the K = V latent lower for CUDA to calls annotated for stream 1
 (and switched off, to none); and an engine with the switch on gives the bits of one with it off (prompt logits,
-greedy tokens, the device loop's tokens, drafted tokens), the switch being read at import, hence subprocesses.
+greedy tokens, the device loop's tokens, drafted tokens: the two device loops also fetch their Engram rows in the
+annotated region, engram_host_call.fetch_step_rows), the switch being read at import, hence subprocesses.
 Other platforms run the annotated call in place, so the engine check holds what the annotation must never change:
 the values. Whether the GPU overlaps the branches is measured on the GPU box (experiments/device_next.sh
 side-stream), not asserted here.

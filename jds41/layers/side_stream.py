@@ -7,8 +7,10 @@ kernels whose fixed cost (launch, ramp, tail) is most of their time. Two branche
 rest of it until their results are added: the shared expert (two Q8_0 launches and a multiply, ~24 us) beside the
 router and the routed experts (~65 us), and the token's K = V latent (a Q8_0 launch, its norm and rotation,
 ~6 us) beside the query's two products (~28 us). On a second stream their kernels can fill the SMs the other
-branch's kernels leave idle in their ramps and tails. The kernels and their inputs are the same either way, so
-every value is the same bits; only the order in which the GPU runs them changes.
+branch's kernels leave idle in their ramps and tails. And a device loop's Engram host call (copies out and in and
+the host's lookup, ~200 us of an idle GPU a token) feeds only the Engram layers, so on the second stream it can
+overlap the layers before them (engram_host_call.fetch_step_rows). The kernels and their inputs are the same
+either way, so every value is the same bits; only the order in which the GPU runs them changes.
 
 `on_side_stream(fn, *args)` is fn(*args) wrapped in JAX's region-based `compute_on` with compute type
 "gpu_stream:1": XLA turns the call into an async start and done on stream 1 (its flag
