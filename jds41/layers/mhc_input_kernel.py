@@ -54,7 +54,9 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int):
+def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int, fold: bool):
+    """`fold`: sum the four copies' products column by column first, then reduce over the columns once (three
+    reductions across the program's threads, not nine); otherwise each copy's sums are reduced, then added."""
     n, p = pl.program_id(0), pl.program_id(1)
     at, slot = p * cols + _ar(cols), _ar(PAD)
     fn_row = jnp.minimum(slot, MIX - 1)[:, None]  # rows past the mix read its last row again; their sums are dropped
@@ -64,9 +66,13 @@ def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int):
         y = y + pre_ref[n, i] * x[i]
     dots = squares = None
     for i in range(H):  # copy by copy: fn's columns i D + c meet x[i, c]
-        dot = jnp.sum(fn_ref[fn_row, i * d + at[None, :]].astype(jnp.float32) * x[i][None, :], axis=1)
-        square = jnp.sum(x[i] * x[i])
+        dot = fn_ref[fn_row, i * d + at[None, :]].astype(jnp.float32) * x[i][None, :]  # [PAD, cols]
+        square = x[i] * x[i]
+        if not fold:
+            dot, square = jnp.sum(dot, axis=1), jnp.sum(square)
         dots, squares = (dot, square) if dots is None else (dots + dot, squares + square)
+    if fold:
+        dots, squares = jnp.sum(dots, axis=1), jnp.sum(squares)
     zero = jnp.float32(0)
     y_ref[n, at] = y
     part_ref[n, p, slot] = jnp.where(slot < MIX, dots, jnp.where(slot == MIX, squares,
@@ -114,12 +120,14 @@ def _normed_or_split(part_ref, y_ref, norm_ref, scale_ref, base_ref, h_ref, pre_
 
 
 @functools.partial(jax.jit, static_argnames=("rms_eps", "hc_eps", "iters", "interpret", "most_cols",
-                                             "partial_warps"))
+                                             "partial_warps", "fold"))
 def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, rms_eps: float, hc_eps: float,
-                        iters: int, interpret: bool = False, most_cols: int = MOST_COLS, partial_warps: int = 4):
+                        iters: int, interpret: bool = False, most_cols: int = MOST_COLS, partial_warps: int = 4,
+                        fold: bool = False):
     """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D] under the lag. `most_cols`
-    (a power of two) and `partial_warps` (a `_partials` program's warps) are the layout experiments/
-    bench_mhc_input.py sweeps; 128 and 4 were the fastest on an H100."""
+    (a power of two), `partial_warps` (a `_partials` program's warps) and `fold` (`_partials`) are the layout
+    experiments/bench_mhc_input.py sweeps; 128 columns and 4 warps were the fastest unfolded on an H100, and `fold`
+    waits for its first measurement (experiments/device_next.sh mhc) before it may become the default."""
     if most_cols < 16 or most_cols & (most_cols - 1) or partial_warps not in (1, 2, 4, 8):
         raise ValueError(f"mhc_input_kernel: {most_cols} columns and {partial_warps} warps a program; columns a "
                          "power of two of at least 16, warps 1, 2, 4 or 8")
@@ -137,7 +145,7 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
         params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=1)  # noqa: E731
     row = lambda *shape: jax.ShapeDtypeStruct((N, *shape), jnp.float32)  # noqa: E731
     call = functools.partial(pl.pallas_call, interpret=interpret)
-    y, parts = call(functools.partial(_partials, d=d, cols=cols), grid=(N, programs),
+    y, parts = call(functools.partial(_partials, d=d, cols=cols, fold=fold), grid=(N, programs),
                     compiler_params=params(partial_warps), out_shape=(row(d), row(programs, PAD)),
                     name="mhc_input_partials")(x_NHD, fn_MK, pre_prev_NH)
     h, pre, post, comb = call(  # one warp a program: the split's Sinkhorn keeps every reduction in its warp
