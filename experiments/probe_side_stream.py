@@ -1,0 +1,124 @@
+"""Where XLA accepts a stream-annotated region (layers/side_stream.py) on the GPU: one small graph a case, each in
+its own process so XLA_FLAGS can differ.
+
+Why: at 20734c9 on an H100 (jax 0.11.2) the engine with JDS41_SIDE_STREAM=1 failed in its prefill graph with
+"NOT_FOUND: No ExecutionStreamId found for %call-start ... not reachable from the module's entrypoint, or only
+reachable through embedded calls" for the K = V latent's region inside the layers' while loop. This asks which
+shapes of graph XLA compiles and runs with the annotation: at the top level, in a while body, with a cond inside
+the region, with a cond around it, with command buffers off, so the switch can be applied where it works or
+withdrawn. Each case also checks the value against the same graph without the region.
+
+    python3 experiments/probe_side_stream.py --out results/probe_side_stream.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CASES = ("top", "while", "while_in_while", "while_cond_inside", "cond_around", "callback_while", "pallas_top",
+         "pallas_while")
+NO_CMDBUF = "--xla_gpu_enable_command_buffer="
+
+
+def run_case(case: str) -> dict:
+    """Builds and runs one case here (in the child process); the row."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jds41.layers import side_stream
+
+    n = 512
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    x0 = jax.random.normal(jax.random.key(1), (n,), jnp.float32)
+
+    def side(x):
+        return jnp.tanh(a @ x)
+
+    if case.startswith("pallas"):
+        from jax.experimental import pallas as pl
+
+        def scale_kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * 2.0 + 1.0
+
+        def side(x):  # noqa: F811 (the pallas form of the branch)
+            return pl.pallas_call(scale_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    if case == "callback_while":
+        def side(x):  # noqa: F811 (a host callback's rows, as the device loop's Engram fetch)
+            rows = jax.pure_callback(lambda v: np.tanh(np.asarray(v)), jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+            return rows * 2.0
+
+    def side_with_cond(x):
+        return jax.lax.cond(x[0] > 0, lambda v: jnp.tanh(a @ v), lambda v: jnp.sin(a @ v), x)
+
+    def step(x, use_region: bool):
+        if case == "while_cond_inside":
+            branch = side_stream.on_side_stream(side_with_cond, x) if use_region else side_with_cond(x)
+        elif case == "cond_around":
+            def annotated(v):
+                return side_stream.on_side_stream(side, v) if use_region else side(v)
+            branch = jax.lax.cond(x[0] > -100.0, annotated, lambda v: side(v) * 0.0, x)
+        else:
+            branch = side_stream.on_side_stream(side, x) if use_region else side(x)
+        main = jnp.cos(a.T @ x)
+        return (branch + main) / 4.0
+
+    def graph(x, use_region: bool):
+        if case in ("top", "pallas_top"):
+            return step(x, use_region)
+        if case == "while_in_while":
+            inner = lambda v: jax.lax.fori_loop(0, 2, lambda j, u: step(u, use_region), v)  # noqa: E731
+            return jax.lax.fori_loop(0, 3, lambda i, v: inner(v), x)
+        return jax.lax.fori_loop(0, 4, lambda i, v: step(v, use_region), x)
+
+    row = {"case": case, "xla_flags": os.environ.get("XLA_FLAGS", ""), "mechanism": side_stream.MECHANISM}
+    try:
+        text = jax.jit(lambda x: graph(x, True)).lower(x0).as_text()
+        row["annotated"] = "_xla_stream_annotation" in text
+        got = np.asarray(jax.jit(lambda x: graph(x, True))(x0))
+        want = np.asarray(jax.jit(lambda x: graph(x, False))(x0))
+        row.update(ok=True, same_bits=bool(np.array_equal(got, want)))
+    except Exception as e:  # the failure is the measurement
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:400]}")
+    return row
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--case", help="run one case here and print its row (the parent's child mode)")
+    a = p.parse_args()
+    if a.case:
+        print(json.dumps(run_case(a.case)))
+        return 0
+    from bench_decode import _commit, _machine  # sibling script, run as a file
+
+    header = {"bench": "probe_side_stream", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv)}
+    with open(a.out, "a") as out:
+        for flags in ("", NO_CMDBUF):
+            for case in CASES:
+                env = dict(os.environ, JDS41_SIDE_STREAM="1")
+                env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
+                r = subprocess.run([sys.executable, __file__, "--out", a.out, "--case", case], env=env,
+                                   capture_output=True, text=True, timeout=300)
+                lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+                row = json.loads(lines[-1]) if lines else {"case": case, "ok": False,
+                                                           "error": f"rc {r.returncode}: {r.stderr[-400:]}"}
+                row = {**header, **row, "xla_flags_added": flags}
+                print(json.dumps(row), flush=True)
+                out.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
