@@ -1,9 +1,8 @@
 """V4.1's sublayer input alone on the GPU: XLA's spelling (mix, split, Sinkhorn, collapse, norm: the reference)
 against layers/mhc_input_kernel.py's two launches over a sweep of their layout (the columns a `_partials` program
-takes, its warps, whether it folds the four copies before reducing), at V4.1's shape (4 copies of D = 5120, a
-24-row mix).
+takes, its warps), at V4.1's shape (4 copies of D = 5120, a 24-row mix).
 
-    python experiments/bench_mhc_input.py [--chain 32] [--layouts 128:4,128:4:fold,64:1,...] [--out FILE]
+    python experiments/bench_mhc_input.py [--chain 32] [--layouts 128:4,64:1,...] [--out FILE]
 
 Why: in the decode profiles of the thirty-sixth session (results/profile_decode_mhc36_v41_4L_h100.jsonl,
 profile_decode_mhc_two36_v41_4L_h100.jsonl) the launches take ~4.0 and ~4.6 us a sublayer, two sublayers a layer;
@@ -35,7 +34,7 @@ from jds41.layers import mhc_input_kernel  # noqa: E402
 from jds41.layers.mhc import hc_collapse, hc_mix, hc_split  # noqa: E402
 from jds41.layers.norm import rms_norm  # noqa: E402
 
-DEFAULT_LAYOUTS = "128:4,128:4:fold,128:1,128:1:fold,64:4,64:4:fold,32:1,32:1:fold"
+DEFAULT_LAYOUTS = "128:4,128:1,64:4,64:1,32:1"
 EPS, ITERS = 1e-6, 20
 
 
@@ -58,12 +57,12 @@ def _chain(one, length: int):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chain", type=int, default=32)
-    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated columns:partial-warps[:fold] layouts")
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="comma-separated columns:partial-warps layouts")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
     d, chain = (5120, a.chain) if gpu else (256, min(a.chain, 2))  # the interpreter is slow: a small shape off the GPU
-    layouts = [(int(c), int(w), bool(f)) for c, w, *f in (t.split(":") for t in a.layouts.split(","))]
+    layouts = [tuple(int(v) for v in t.split(":")) for t in a.layouts.split(",")]
     common = {"bench": "mhc_input", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "chain": chain, "copies": 4, "dim": d, "iters": ITERS}
     rng = np.random.default_rng(0)
@@ -76,16 +75,15 @@ def main(argv=None) -> int:
     args = (x, pre, fn, scale, base, norm)
     xla = lambda x, p, f, s, b, n: _xla(x, p, f.astype(jnp.float32), s, b, n)  # noqa: E731
     want = [np.asarray(v) for v in jax.jit(xla)(*args)]
-    for cols, warps, fold in [(None, None, None)] + layouts:
-        row = {**common, "path": "xla" if cols is None else "kernels", "cols": cols, "partial_warps": warps,
-               "fold": fold}
+    for cols, warps in [(None, None)] + layouts:
+        row = {**common, "path": "xla" if cols is None else "kernels", "cols": cols, "partial_warps": warps}
         if cols is None:
             one = xla
         else:
-            def one(x, p, f, s, b, n, cols=cols, warps=warps, fold=fold):
+            def one(x, p, f, s, b, n, cols=cols, warps=warps):
                 h, pre, post, comb = mhc_input_kernel.sublayer_input_rows(
                     x[None], p[None], f, s, b, n, rms_eps=EPS, hc_eps=EPS, iters=ITERS, interpret=not gpu,
-                    most_cols=cols, partial_warps=warps, fold=fold)
+                    most_cols=cols, partial_warps=warps)
                 return h[0], pre[0], post[0], comb[0]
         try:
             got = [np.asarray(v) for v in jax.jit(one)(*args)]

@@ -35,8 +35,7 @@
 #                                             # time allows, then one profile an arm, ~8 min
 #   bash experiments/device_next.sh mhc       # V4.1's sublayer-input launches (layers/mhc_input_kernel.py): GPU
 #                                             # tests, then their layouts alone (experiments/bench_mhc_input.py,
-#                                             # every h consumed; folded partials against the default, unfolded
-#                                             # ones), ~2 min. Its first form (thirty-sixth session)
+#                                             # every h consumed), ~2 min. Its first form (thirty-sixth session)
 #                                             # A/B'd three launches against two in decode: two won, 753.7 vs 737.1
 #   bash experiments/device_next.sh side-stream  # the shared expert and the K = V latent on a second CUDA stream
 #                                             # (JDS41_SIDE_STREAM=1, layers/side_stream.py; the same bits): decode

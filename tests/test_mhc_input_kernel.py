@@ -68,10 +68,10 @@ def _kernel(args, iters, **layout):
                                interpret=True, **layout)
 
 
-@pytest.mark.parametrize("most_cols,fold", [(128, False), (32, False), (128, True)])
-def test_the_interpreted_kernels_equal_the_xla_spelling_and_a_float64_rederivation(most_cols, fold):
+@pytest.mark.parametrize("most_cols", [128, 32])
+def test_the_interpreted_kernels_equal_the_xla_spelling_and_a_float64_rederivation(most_cols):
     args = _inputs(3, 384)  # three `_partials` programs of 128 columns (twelve of 32)
-    got = [np.asarray(a) for a in _kernel(args, 20, most_cols=most_cols, fold=fold)]
+    got = [np.asarray(a) for a in _kernel(args, 20, most_cols=most_cols)]
     for name, g, x, ref in zip(("h", "pre", "post", "comb"), got, _xla(*args, 20), _numpy(*args, 20)):
         scale = np.abs(ref).max()
         np.testing.assert_allclose(g, np.asarray(x), rtol=0, atol=2e-6 * scale, err_msg=name)
@@ -125,8 +125,7 @@ def test_v41s_sublayer_input_lowers_to_the_kernels_on_cuda_only_when_switched_on
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", [{}, {"most_cols": 32, "partial_warps": 1}, {"fold": True}],
-                         ids=["default", "32-cols-1-warp", "fold"])
+@pytest.mark.parametrize("layout", [{}, {"most_cols": 32, "partial_warps": 1}], ids=["default", "32-cols-1-warp"])
 def test_the_compiled_kernels_agree_with_the_xla_spelling_on_the_gpu(layout):
     args = _inputs(4, 5120, seed=2)
     run = lambda a: sublayer_input_rows(*(jnp.asarray(v) for v in a), rms_eps=RMS_EPS, hc_eps=HC_EPS,  # noqa: E731

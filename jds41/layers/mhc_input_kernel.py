@@ -21,7 +21,9 @@ prefill rows agree exactly on CUDA, as with every kernel here; against the XLA s
 platform) they agree to f32 rounding. On by default since the thirty-sixth session (an H100, experiments/README.md):
 as three launches (the split a launch of its own) V4.1's 4-layer decode took 746.9 and 745.5 tok/s against 737.8
 and 719.5 with XLA's, the 40-layer fit 0.218 ms a layer against 0.231; the split folded into the normed launch then
-gave 753.7 against 737.1 tok/s (four rounds each). JDS41_MHC_KERNEL=0 (read at import) takes XLA's spelling.
+gave 753.7 against 737.1 tok/s (four rounds each). Folding the four copies' products before reducing (three
+reductions a partials program, not nine) was swept alone in the thirty-seventh session: 11.59 against 11.67 us a
+sublayer at 128 columns, 11.09 against 11.43 at 64, ~0.3% of a token at most, so it was not kept. JDS41_MHC_KERNEL=0 (read at import) takes XLA's spelling.
 JDS41_TRITON=interpret runs it in Pallas' interpreter on every platform (tests/test_mhc_input_kernel.py).
 """
 
@@ -54,9 +56,7 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int, fold: bool):
-    """`fold`: sum the four copies' products column by column first, then reduce over the columns once (three
-    reductions across the program's threads, not nine); otherwise each copy's sums are reduced, then added."""
+def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int):
     n, p = pl.program_id(0), pl.program_id(1)
     at, slot = p * cols + _ar(cols), _ar(PAD)
     fn_row = jnp.minimum(slot, MIX - 1)[:, None]  # rows past the mix read its last row again; their sums are dropped
@@ -66,13 +66,9 @@ def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int, fol
         y = y + pre_ref[n, i] * x[i]
     dots = squares = None
     for i in range(H):  # copy by copy: fn's columns i D + c meet x[i, c]
-        dot = fn_ref[fn_row, i * d + at[None, :]].astype(jnp.float32) * x[i][None, :]  # [PAD, cols]
-        square = x[i] * x[i]
-        if not fold:
-            dot, square = jnp.sum(dot, axis=1), jnp.sum(square)
+        dot = jnp.sum(fn_ref[fn_row, i * d + at[None, :]].astype(jnp.float32) * x[i][None, :], axis=1)
+        square = jnp.sum(x[i] * x[i])
         dots, squares = (dot, square) if dots is None else (dots + dot, squares + square)
-    if fold:
-        dots, squares = jnp.sum(dots, axis=1), jnp.sum(squares)
     zero = jnp.float32(0)
     y_ref[n, at] = y
     part_ref[n, p, slot] = jnp.where(slot < MIX, dots, jnp.where(slot == MIX, squares,
@@ -120,14 +116,12 @@ def _normed_or_split(part_ref, y_ref, norm_ref, scale_ref, base_ref, h_ref, pre_
 
 
 @functools.partial(jax.jit, static_argnames=("rms_eps", "hc_eps", "iters", "interpret", "most_cols",
-                                             "partial_warps", "fold"))
+                                             "partial_warps"))
 def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, rms_eps: float, hc_eps: float,
-                        iters: int, interpret: bool = False, most_cols: int = MOST_COLS, partial_warps: int = 4,
-                        fold: bool = False):
+                        iters: int, interpret: bool = False, most_cols: int = MOST_COLS, partial_warps: int = 4):
     """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D] under the lag. `most_cols`
-    (a power of two), `partial_warps` (a `_partials` program's warps) and `fold` (`_partials`) are the layout
-    experiments/bench_mhc_input.py sweeps; 128 columns and 4 warps were the fastest unfolded on an H100, and `fold`
-    waits for its first measurement (experiments/device_next.sh mhc) before it may become the default."""
+    (a power of two) and `partial_warps` (a `_partials` program's warps) are the layout experiments/
+    bench_mhc_input.py sweeps; 128 and 4 were the fastest on an H100."""
     if most_cols < 16 or most_cols & (most_cols - 1) or partial_warps not in (1, 2, 4, 8):
         raise ValueError(f"mhc_input_kernel: {most_cols} columns and {partial_warps} warps a program; columns a "
                          "power of two of at least 16, warps 1, 2, 4 or 8")
@@ -145,7 +139,7 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
         params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=1)  # noqa: E731
     row = lambda *shape: jax.ShapeDtypeStruct((N, *shape), jnp.float32)  # noqa: E731
     call = functools.partial(pl.pallas_call, interpret=interpret)
-    y, parts = call(functools.partial(_partials, d=d, cols=cols, fold=fold), grid=(N, programs),
+    y, parts = call(functools.partial(_partials, d=d, cols=cols), grid=(N, programs),
                     compiler_params=params(partial_warps), out_shape=(row(d), row(programs, PAD)),
                     name="mhc_input_partials")(x_NHD, fn_MK, pre_prev_NH)
     h, pre, post, comb = call(  # one warp a program: the split's Sinkhorn keeps every reduction in its warp
