@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CASES = ("top", "while", "while_in_while", "while_cond_inside", "cond_around", "callback_while", "pallas_top",
-         "pallas_while")
+CASES = ("top", "while", "while_in_while", "while_weight_arg", "while_cond_inside", "cond_around", "callback_while",
+         "pallas_top", "pallas_while")
 NO_CMDBUF = "--xla_gpu_enable_command_buffer="
 
 
@@ -73,6 +73,22 @@ def run_case(case: str) -> dict:
         main = jnp.cos(a.T @ x)
         return (branch + main) / 4.0
 
+    if case == "while_weight_arg":  # the weight a jit argument, reshaped in the region (the engine's Q8_0 raw bytes)
+        w0 = a.reshape(1, n, n)
+
+        def side(x, w):  # noqa: F811
+            return jnp.tanh(w.reshape(n, n) @ x)
+
+        def graph_w(x, use_region: bool, w):
+            def body(i, v):
+                branch = side_stream.on_side_stream(side, v, w) if use_region else side(v, w)
+                return (branch + jnp.cos(w[0].T @ v)) / 4.0
+            return jax.lax.fori_loop(0, 4, body, x)
+
+        run = (lambda use: jax.jit(lambda x, w: graph_w(x, use, w)), (x0, w0))
+    else:
+        run = None
+
     def graph(x, use_region: bool):
         if case in ("top", "pallas_top"):
             return step(x, use_region)
@@ -81,12 +97,14 @@ def run_case(case: str) -> dict:
             return jax.lax.fori_loop(0, 3, lambda i, v: inner(v), x)
         return jax.lax.fori_loop(0, 4, lambda i, v: step(v, use_region), x)
 
+    if run is None:
+        run = (lambda use: jax.jit(lambda x: graph(x, use)), (x0,))
+    compiled, args = run
     row = {"case": case, "xla_flags": os.environ.get("XLA_FLAGS", ""), "mechanism": side_stream.MECHANISM}
     try:
-        text = jax.jit(lambda x: graph(x, True)).lower(x0).as_text()
-        row["annotated"] = "_xla_stream_annotation" in text
-        got = np.asarray(jax.jit(lambda x: graph(x, True))(x0))
-        want = np.asarray(jax.jit(lambda x: graph(x, False))(x0))
+        row["annotated"] = "_xla_stream_annotation" in compiled(True).lower(*args).as_text()
+        got = np.asarray(compiled(True)(*args))
+        want = np.asarray(compiled(False)(*args))
         row.update(ok=True, same_bits=bool(np.array_equal(got, want)))
     except Exception as e:  # the failure is the measurement
         row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:400]}")
