@@ -41,7 +41,10 @@
 #                                             # (JDS41_SIDE_STREAM=1, layers/side_stream.py; the same bits): decode
 #                                             # ABAB of the defaults, the switch, and the switch with XLA's latency
 #                                             # hiding scheduler (which places the async start and done), then a
-#                                             # profile an arm (decode-ab below), ~8 min
+#                                             # profile an arm (decode-ab below), ~8 min. At 20734c9 (H100, jax
+#                                             # 0.11.2) the switched arms failed to compile (the prefill's
+#                                             # "No ExecutionStreamId found for %call-start"): the case now runs
+#                                             # experiments/probe_side_stream.py first (~2 min)
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -159,7 +162,8 @@ case "${1:-}" in
     python3 -u -m pytest -q -m gpu -rf --tb=line tests/test_mhc_input_kernel.py 2>&1 | tail -4 \
       | tee "$OUT/mhc_gpu_tests.txt" || true
     python3 experiments/bench_mhc_input.py --out "$OUT/bench_mhc_input.jsonl" ;;
-  side-stream)
+  side-stream)  # the probe first (which graphs XLA accepts the annotation in); the arms cost a row if they fail
+    python3 experiments/probe_side_stream.py --out "$OUT/probe_side_stream.jsonl" >/dev/null 2>&1 || true
     AB_ON="JDS41_SIDE_STREAM=1" AB_ON2="JDS41_SIDE_STREAM=1 XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true" \
       bash "$0" decode-ab ;;
   v4)

@@ -15,9 +15,15 @@ either way, so every value is the same bits; only the order in which the GPU run
 `on_side_stream(fn, *args)` is fn(*args) wrapped in JAX's region-based `compute_on` with compute type
 "gpu_stream:1": XLA turns the call into an async start and done on stream 1 (its flag
 `xla_gpu_experimental_stream_annotation`, on by default in recent XLA); other platforms ignore the annotation and
-run the call in place. Off unless JDS41_SIDE_STREAM=1 (read at import) until measured on the GPU box
-(experiments/device_next.sh side-stream); where the installed jax offers no region-based `compute_on`, it stays
-off (`MECHANISM` says which form is used).
+run the call in place. Off unless JDS41_SIDE_STREAM=1 (read at import); where the installed jax offers no
+region-based `compute_on`, it stays off (`MECHANISM` says which form is used).
+
+Not usable on the GPU yet: its first run (20734c9, an H100, jax 0.11.2; experiments/README.md, thirty-seventh
+session) failed to compile the engine's prefill graph: XLA found no execution stream for the call-start of the
+K = V latent's region inside the layers' loop ("No ExecutionStreamId found for %call-start ... not reachable from
+the module's entrypoint, or only reachable through embedded calls"). experiments/probe_side_stream.py asks which
+graph shapes XLA accepts the annotation in (at the top, in a while body, with a weight argument, with a cond, a
+host callback or a Pallas call inside, with command buffers off); it runs first in the `side-stream` case.
 """
 
 from __future__ import annotations
