@@ -23,8 +23,9 @@ as three launches (the split a launch of its own) V4.1's 4-layer decode took 746
 and 719.5 with XLA's, the 40-layer fit 0.218 ms a layer against 0.231; the split folded into the normed launch then
 gave 753.7 against 737.1 tok/s (four rounds each). Folding the four copies' products before reducing (three
 reductions a partials program, not nine) was swept alone in the thirty-seventh session: 11.59 against 11.67 us a
-sublayer at 128 columns, 11.09 against 11.43 at 64, ~0.3% of a token at most, so it was not kept. JDS41_MHC_KERNEL=0 (read at import) takes XLA's spelling.
-JDS41_TRITON=interpret runs it in Pallas' interpreter on every platform (tests/test_mhc_input_kernel.py).
+sublayer at 128 columns, 11.09 against 11.43 at 64, ~0.3% of a token at most, so it was not kept.
+JDS41_MHC_KERNEL=0 (read at import) takes XLA's spelling. JDS41_TRITON=interpret runs it in Pallas' interpreter
+on every platform (tests/test_mhc_input_kernel.py).
 """
 
 from __future__ import annotations
