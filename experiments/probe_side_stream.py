@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CASES = ("top", "while", "while_in_while", "while_weight_arg", "while_cond_inside", "cond_around", "callback_while",
-         "pallas_top", "pallas_while")
+CASES = ("top", "while", "while_in_while", "while_weight_arg", "while_weight_platform", "while_cond_inside",
+         "cond_around", "callback_while", "pallas_top", "pallas_while")
 NO_CMDBUF = "--xla_gpu_enable_command_buffer="
 
 
@@ -73,11 +73,24 @@ def run_case(case: str) -> dict:
         main = jnp.cos(a.T @ x)
         return (branch + main) / 4.0
 
-    if case == "while_weight_arg":  # the weight a jit argument, reshaped in the region (the engine's Q8_0 raw bytes)
-        w0 = a.reshape(1, n, n)
+    if case in ("while_weight_arg", "while_weight_platform"):  # the weight a jit argument, reshaped in the region
+        w0 = a.reshape(1, n, n)  # (the engine's Q8_0 raw bytes: the failing call-start wrapped their [None] reshape)
 
         def side(x, w):  # noqa: F811
-            return jnp.tanh(w.reshape(n, n) @ x)
+            if case == "while_weight_arg":
+                return jnp.tanh(w.reshape(n, n) @ x)
+            # as the engine's products: the stack [None] fed to lax.platform_dependent, a Pallas call on CUDA
+            from jax.experimental import pallas as pl
+
+            def scale_kernel(y_ref, o_ref):
+                o_ref[...] = y_ref[...] * 2.0 + 1.0
+
+            def cuda(x, raw):
+                y = raw[0, 0] @ x
+                return pl.pallas_call(scale_kernel, out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype))(y)
+
+            return jax.lax.platform_dependent(x, w.reshape(n, n)[None, None], cuda=cuda,
+                                              default=lambda x, raw: (raw[0, 0] @ x) * 2.0 + 1.0)
 
         def graph_w(x, use_region: bool, w):
             def body(i, v):

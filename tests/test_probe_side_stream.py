@@ -26,7 +26,8 @@ def probe(monkeypatch):
     return module
 
 
-@pytest.mark.parametrize("case", ["while", "while_weight_arg", "while_cond_inside", "callback_while"])
+@pytest.mark.parametrize("case", ["while", "while_weight_arg", "while_weight_platform", "while_cond_inside",
+                                  "callback_while"])
 def test_a_case_lowers_annotated_and_keeps_the_bits(probe, case):
     row = probe.run_case(case)
     assert row["case"] == case
