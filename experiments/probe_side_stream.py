@@ -4,9 +4,11 @@ its own process so XLA_FLAGS can differ.
 Why: at 20734c9 on an H100 (jax 0.11.2) the engine with JDS41_SIDE_STREAM=1 failed in its prefill graph with
 "NOT_FOUND: No ExecutionStreamId found for %call-start ... not reachable from the module's entrypoint, or only
 reachable through embedded calls" for the K = V latent's region inside the layers' while loop. This asks which
-shapes of graph XLA compiles and runs with the annotation: at the top level, in a while body, with a cond inside
-the region, with a cond around it, with command buffers off, so the switch can be applied where it works or
-withdrawn. Each case also checks the value against the same graph without the region.
+shapes of graph XLA compiles and runs with the annotation (`CASES`: at the top level, in while bodies, with the
+weight a jit argument reshaped in the region, alone and fed to lax.platform_dependent as the engine's products
+take it, with a cond inside or around it, a host callback or a Pallas call inside), each with XLA's command
+buffers on and off, so the switch can be applied where it works or withdrawn. Each case also checks the value
+against the same graph without the region.
 
     python3 experiments/probe_side_stream.py --out results/probe_side_stream.jsonl
 """
@@ -41,17 +43,16 @@ def run_case(case: str) -> dict:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     x0 = jax.random.normal(jax.random.key(1), (n,), jnp.float32)
 
-    def side(x):
-        return jnp.tanh(a @ x)
-
-    if case.startswith("pallas"):
+    def pallas_scale(y):  # y * 2 + 1 as a compiled Pallas call (GPU only: the CPU runs Pallas interpreted)
         from jax.experimental import pallas as pl
 
-        def scale_kernel(x_ref, o_ref):
-            o_ref[...] = x_ref[...] * 2.0 + 1.0
+        def scale_kernel(y_ref, o_ref):
+            o_ref[...] = y_ref[...] * 2.0 + 1.0
 
-        def side(x):  # noqa: F811 (the pallas form of the branch)
-            return pl.pallas_call(scale_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+        return pl.pallas_call(scale_kernel, out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype))(y)
+
+    def side(x):
+        return pallas_scale(x) if case.startswith("pallas") else jnp.tanh(a @ x)
 
     if case == "callback_while":
         def side(x):  # noqa: F811 (a host callback's rows, as the device loop's Engram fetch)
@@ -80,16 +81,8 @@ def run_case(case: str) -> dict:
             if case == "while_weight_arg":
                 return jnp.tanh(w.reshape(n, n) @ x)
             # as the engine's products: the stack [None] fed to lax.platform_dependent, a Pallas call on CUDA
-            from jax.experimental import pallas as pl
-
-            def scale_kernel(y_ref, o_ref):
-                o_ref[...] = y_ref[...] * 2.0 + 1.0
-
-            def cuda(x, raw):
-                y = raw[0, 0] @ x
-                return pl.pallas_call(scale_kernel, out_shape=jax.ShapeDtypeStruct(y.shape, y.dtype))(y)
-
-            return jax.lax.platform_dependent(x, w.reshape(n, n)[None, None], cuda=cuda,
+            return jax.lax.platform_dependent(x, w.reshape(n, n)[None, None],
+                                              cuda=lambda x, raw: pallas_scale(raw[0, 0] @ x),
                                               default=lambda x, raw: (raw[0, 0] @ x) * 2.0 + 1.0)
 
         def graph_w(x, use_region: bool, w):
@@ -98,21 +91,17 @@ def run_case(case: str) -> dict:
                 return (branch + jnp.cos(w[0].T @ v)) / 4.0
             return jax.lax.fori_loop(0, 4, body, x)
 
-        run = (lambda use: jax.jit(lambda x, w: graph_w(x, use, w)), (x0, w0))
+        compiled, args = (lambda use: jax.jit(lambda x, w: graph_w(x, use, w))), (x0, w0)
     else:
-        run = None
+        def graph(x, use_region: bool):
+            if case in ("top", "pallas_top"):
+                return step(x, use_region)
+            if case == "while_in_while":
+                inner = lambda v: jax.lax.fori_loop(0, 2, lambda j, u: step(u, use_region), v)  # noqa: E731
+                return jax.lax.fori_loop(0, 3, lambda i, v: inner(v), x)
+            return jax.lax.fori_loop(0, 4, lambda i, v: step(v, use_region), x)
 
-    def graph(x, use_region: bool):
-        if case in ("top", "pallas_top"):
-            return step(x, use_region)
-        if case == "while_in_while":
-            inner = lambda v: jax.lax.fori_loop(0, 2, lambda j, u: step(u, use_region), v)  # noqa: E731
-            return jax.lax.fori_loop(0, 3, lambda i, v: inner(v), x)
-        return jax.lax.fori_loop(0, 4, lambda i, v: step(v, use_region), x)
-
-    if run is None:
-        run = (lambda use: jax.jit(lambda x: graph(x, use)), (x0,))
-    compiled, args = run
+        compiled, args = (lambda use: jax.jit(lambda x: graph(x, use))), (x0,)
     row = {"case": case, "xla_flags": os.environ.get("XLA_FLAGS", ""), "mechanism": side_stream.MECHANISM}
     try:
         row["annotated"] = "_xla_stream_annotation" in compiled(True).lower(*args).as_text()
