@@ -112,13 +112,14 @@ case "${1:-}" in
       "${off[@]}" python3 experiments/bench_decode.py "${common[@]}"
       (( SECONDS < ${ROUND_DECODE_UNTIL_S:-330} )) || break
     done ;;
-  attention)
-    python3 experiments/bench_attention.py --out "$OUT/bench_attention_h200.jsonl" ;;
+  attention)  # ATTN_TILES: the tiles to time (bench_attention's --tiles; default its sweep)
+    python3 experiments/bench_attention.py ${ATTN_TILES:+--tiles "$ATTN_TILES"} --out "$OUT/bench_attention_h200.jsonl" ;;
   attention-ncu)
     sections=(--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
               --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters)
     ncu --clock-control none -k regex:attend_ -c 2 "${sections[@]}" \
-      python3 experiments/bench_attention.py --reps 1 --keys 136 --tiles 16:32:128:4:4 >"$OUT/ncu_attention.txt" 2>&1
+      python3 experiments/bench_attention.py --reps 1 --keys 136 --tiles "${NCU_TILE:-16:32:128:4:4}" \
+      >"$OUT/ncu_attention.txt" 2>&1
     tail -60 "$OUT/ncu_attention.txt" ;;
   determinism)
     common=("${V41_DECODE[@]}" --out "$OUT/bench_decode_determinism_v41_4L_h200.jsonl")
