@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jds41.layers import attention, attention_kernel
-from jds41.layers.attention_kernel import attend_kernels
+from jds41.layers.attention_kernel import attend_kernels, parse_tile
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -94,7 +94,7 @@ def test_the_interpreted_kernels_equal_the_reference(heads, kdim, n, rope, head_
     assert np.abs(moved - got).max() > 100 * tol
 
 
-@pytest.mark.parametrize("tile", [(16, 16, 32, 8, 2), (32, 64, 64, 2, 8)])
+@pytest.mark.parametrize("tile", [(16, 16, 32, 8, 2), (32, 64, 64, 2, 8), (16, 32, 16, 4, 4)])
 def test_other_tiles_give_the_same_attention(tile):
     """The benchmark's other tiles (experiments/bench_attention.py) compute the same attention, turns inside."""
     q, keys, valid, sink, pos, freqs = _case(20, 64, 96, seed=5, rope=32)
@@ -102,6 +102,14 @@ def test_other_tiles_give_the_same_attention(tile):
                                     turn_inside=True, tile=tile))
     want = _numpy_attend(q, keys, valid, sink, pos, freqs)
     np.testing.assert_allclose(got, want, rtol=0, atol=3e-6 * np.abs(want).max())
+
+
+def test_a_tile_is_spelled_as_five_powers_of_two():
+    """JDS41_ATTN_TILE and bench_attention's --tiles: BH:BN:BK:CH:warps; anything else is refused by name."""
+    assert parse_tile("16:32:16:4:8") == (16, 32, 16, 4, 8)
+    for bad in ("16:32:16:4", "16:32:24:4:4", "16:32:0:4:4", "a:b:c:d:e", "16:32:16:4:4:1"):
+        with pytest.raises(ValueError, match="attention tile"):
+            parse_tile(bad)
 
 
 def test_a_query_with_every_key_masked_reads_the_sink_alone():

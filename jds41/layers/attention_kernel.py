@@ -52,8 +52,20 @@ BN = 32  # keys a chunk
 BK = 128  # latent columns a step of the products (bounds the registers a chunk's keys take)
 CH = 4  # heads a program of the combination (no product there: more, smaller programs read the partials faster)
 WARPS = 4
-# (BH, BN, BK, CH, warps): the default tile; `attend_kernels(tile=...)` takes others (experiments/bench_attention.py)
-TILE = (BH, BN, BK, CH, WARPS)
+
+
+def parse_tile(text: str) -> tuple[int, int, int, int, int]:
+    """A tile spelled BH:BN:BK:CH:warps (JDS41_ATTN_TILE, bench_attention's --tiles)."""
+    parts = text.split(":")
+    if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 and int(p) & (int(p) - 1) == 0 for p in parts):
+        raise ValueError(f"attention tile {text!r}: want BH:BN:BK:CH:warps, five powers of two")
+    return tuple(int(p) for p in parts)
+
+
+# (BH, BN, BK, CH, warps): the tile every path's attention takes; JDS41_ATTN_TILE (read at import) sets another, for
+# A/B runs (whether a narrower BK keeps Triton's f32 dots from spilling registers is what bench_attention measures);
+# `attend_kernels(tile=...)` takes others (experiments/bench_attention.py)
+TILE = parse_tile(os.environ["JDS41_ATTN_TILE"]) if os.environ.get("JDS41_ATTN_TILE") else (BH, BN, BK, CH, WARPS)
 HIGHEST = lax.Precision.HIGHEST
 
 
