@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     heads, kdim, rope = (64, 512, 64) if gpu else (16, 64, 16)  # the interpreter is slow: a small shape off the GPU
     cfg = types.SimpleNamespace(head_dim=kdim, q_head_norm=False, rms_eps=1e-6)
     freqs = jnp.asarray(rope_freqs(rope, 10000.0))
-    tiles = [attention_kernel.parse_tile(t) for t in a.tiles.split(",")]
+    tiles = [tuple(int(v) for v in t.split(":")) for t in a.tiles.split(",")]
     common = {"bench": "attention", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "reps": a.reps, "heads": heads, "kdim": kdim, "rope_dims": rope}
     rng = np.random.default_rng(0)

@@ -105,9 +105,9 @@ def test_other_tiles_give_the_same_attention(tile):
 
 
 def test_a_tile_is_spelled_as_five_powers_of_two():
-    """JDS41_ATTN_TILE and bench_attention's --tiles: BH:BN:BK:CH:warps; anything else is refused by name."""
+    """JDS41_ATTN_TILE: BH:BN:BK:CH:warps; anything else is refused by name."""
     assert parse_tile("16:32:16:4:8") == (16, 32, 16, 4, 8)
-    for bad in ("16:32:16:4", "16:32:24:4:4", "16:32:0:4:4", "a:b:c:d:e", "16:32:16:4:4:1"):
+    for bad in ("16:32:16:4", "16:32:-16:4:4", "16:32:0:4:4", "a:b:c:d:e", "16:32:16:4:4:1", ""):
         with pytest.raises(ValueError, match="attention tile"):
             parse_tile(bad)
 
