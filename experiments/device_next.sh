@@ -21,10 +21,10 @@
 #                                             # latent columns at a time, queued are 16 and 32 (the f32 dot's operands
 #                                             # a thread holds grow with the step), e.g. ATTN_TILES=16:32:128:4:4,
 #                                             # 16:32:32:4:4,16:32:16:4:4,16:16:32:4:4,16:64:32:4:4,16:32:32:4:8
-#   bash experiments/device_next.sh attention-ncu  # (NCU_TILE: the tile) why the attention kernels are slow: ncu of one attend_partials
-#                                             # and one attend_combine call at 136 keys (alone they took 93-359 us over
-#                                             # six tiles on an H100 at 451c1c4 where XLA took 12-23: a fixed ~80 us
-#                                             # that no tile changed), ~3 min
+#   bash experiments/device_next.sh attention-ncu  # why the attention kernels are slow (NCU_TILE: the tile): ncu of
+#                                             # one attend_partials and one attend_combine call at 136 keys
+#                                             # (alone they took 93-359 us over six tiles on an H100 at 451c1c4 where
+#                                             # XLA took 12-23: a fixed ~80 us that no tile changed), ~3 min
 #   bash experiments/device_next.sh cmdbuf    # V4.1 int8 decode ABAB (decode-ab): XLA's default command buffer types
 #                                             # against the same plus WHILE and CONDITIONAL (the device loop's
 #                                             # predicate stays on the GPU), ~6 min; CMDBUF_NONE=1 adds an
