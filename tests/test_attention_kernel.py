@@ -104,7 +104,7 @@ def test_other_tiles_give_the_same_attention(tile):
     np.testing.assert_allclose(got, want, rtol=0, atol=3e-6 * np.abs(want).max())
 
 
-def test_a_tile_is_spelled_as_five_powers_of_two():
+def test_a_tile_is_spelled_as_five_positive_integers():
     """JDS41_ATTN_TILE: BH:BN:BK:CH:warps; anything else is refused by name."""
     assert parse_tile("16:32:16:4:8") == (16, 32, 16, 4, 8)
     for bad in ("16:32:16:4", "16:32:-16:4:4", "16:32:0:4:4", "a:b:c:d:e", "16:32:16:4:4:1", ""):
