@@ -30,10 +30,7 @@ from bench_kernels import _seconds  # noqa: E402
 from jds41.layers import attention, attention_kernel  # noqa: E402
 from jds41.layers.rope import rope_freqs  # noqa: E402
 
-# the thirty-first session's six (64- and 128-column latent steps), then narrower steps (thirty-eighth session: the
-# f32 dots' operands a thread holds grow with the step)
-DEFAULT_TILES = ("16:32:128:4:4,16:32:64:4:4,16:64:64:4:4,16:16:128:4:2,32:32:64:4:8,16:32:128:8:8,"
-                 "16:32:32:4:4,16:32:16:4:4,16:16:32:4:4,16:32:32:4:8")
+DEFAULT_TILES = "16:32:128:4:4,16:32:64:4:4,16:64:64:4:4,16:16:128:4:2,32:32:64:4:8,16:32:128:8:8"
 
 
 def _loop(attend, reps: int):

@@ -17,10 +17,9 @@
 #                                             # (at 451c1c4, two with autotuning gave two hashes, two without one), ~4 min
 #   bash experiments/device_next.sh attention # one token's attention alone: XLA against the kernels over a sweep of
 #                                             # their tiles at V4.1's shape (experiments/bench_attention.py), ~3 min;
-#                                             # ATTN_TILES picks the tiles: every tile timed so far stepped 64 or 128
-#                                             # latent columns at a time, queued are 16 and 32 (the f32 dot's operands
-#                                             # a thread holds grow with the step), e.g. ATTN_TILES=16:32:128:4:4,
-#                                             # 16:32:32:4:4,16:32:16:4:4,16:16:32:4:4,16:64:32:4:4,16:32:32:4:8
+#                                             # ATTN_TILES picks the tiles (BH:BN:BK:CH:W,...). At 11f519e on an H100
+#                                             # steps of 16 and 32 latent columns ran slower than 128 (thirty-eighth
+#                                             # session): not register spills
 #   bash experiments/device_next.sh attention-ncu  # why the attention kernels are slow (NCU_TILE: the tile): ncu of
 #                                             # one attend_partials and one attend_combine call at 136 keys
 #                                             # (alone they took 93-359 us over six tiles on an H100 at 451c1c4 where

@@ -64,8 +64,8 @@ def parse_tile(text: str) -> tuple[int, int, int, int, int]:
 
 
 # (BH, BN, BK, CH, warps): the tile every path's attention takes; JDS41_ATTN_TILE (read at import) sets another, for
-# A/B runs (whether a narrower BK keeps Triton's f32 dots from spilling registers is what bench_attention measures);
-# `attend_kernels(tile=...)` takes others (experiments/bench_attention.py)
+# A/B runs; `attend_kernels(tile=...)` takes others (experiments/bench_attention.py). Narrower latent steps (BK 16
+# and 32, against register spills in Triton's f32 dots) were slower on an H100 (results/bench_attention38_h100.jsonl)
 TILE = parse_tile(os.environ["JDS41_ATTN_TILE"]) if os.environ.get("JDS41_ATTN_TILE") else (BH, BN, BK, CH, WARPS)
 HIGHEST = lax.Precision.HIGHEST
 
