@@ -116,7 +116,8 @@ case "${1:-}" in
       (( SECONDS < ${ROUND_DECODE_UNTIL_S:-330} )) || break
     done ;;
   attention)  # ATTN_TILES: the tiles to time (bench_attention's --tiles; default its sweep)
-    python3 experiments/bench_attention.py ${ATTN_TILES:+--tiles "$ATTN_TILES"} --out "$OUT/bench_attention_h200.jsonl" ;;
+    python3 experiments/bench_attention.py ${ATTN_TILES:+--tiles "$ATTN_TILES"} \
+      --out "$OUT/bench_attention_h200.jsonl" ;;
   attention-ncu)
     sections=(--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
               --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters)
