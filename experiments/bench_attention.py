@@ -2,14 +2,16 @@
 Triton kernels (`layers/attention_kernel.attend_kernels`, q turned and the output turned back inside) over a sweep
 of their tiles, at V4.1's shape (64 heads, 512-wide latents) and key counts of a short and a long window.
 
-    python experiments/bench_attention.py [--reps 50] [--keys 136,640,1152] [--tiles BH:BN:BK:CH:W,...] [--out FILE]
+    python experiments/bench_attention.py [--reps 50] [--keys 136,640,1152] [--tiles BH:BN:BK:CH:W,...]
+        [--dots ieee,tf32x3] [--out FILE]
 
 Why: in the decode profile of 2026-12-05 (results/profile_decode_round30_v41_4L_h200.jsonl) the kernels' partials
 took ~120 us a call where XLA's seven kernels take ~18 us a layer; this isolates the kernels so their tile, warps
 and products can be varied without a decode run. Each timed call runs `--reps` attentions in one jitted
 `fori_loop`, q moving with the iteration (nothing is hoisted); "loop_us" is the loop's own cost a call. One JSON
-line per (keys, path, tile), with the largest difference from XLA's output. CPU runs check the code path only
-(the kernels then run in Pallas' interpreter on a shrunk shape).
+line per (keys, path, tile, dot: the products' form, attention_kernel.DOTS), with the largest difference from
+XLA's output. CPU runs check the code path only (the kernels then run in Pallas' interpreter on a shrunk shape,
+where every form computes "ieee").
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--keys", default="136,640,1152", help="comma-separated key counts (window plus selected rows)")
     ap.add_argument("--tiles", default=DEFAULT_TILES, help="comma-separated BH:BN:BK:CH:warps tiles of the kernels")
+    ap.add_argument("--dots", default="ieee", help="comma-separated forms of the kernels' products "
+                    "(attention_kernel.DOTS); every tile runs in each")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     gpu = jax.default_backend() == "gpu"
@@ -53,6 +57,7 @@ def main(argv=None) -> int:
     cfg = types.SimpleNamespace(head_dim=kdim, q_head_norm=False, rms_eps=1e-6)
     freqs = jnp.asarray(rope_freqs(rope, 10000.0))
     tiles = [tuple(int(v) for v in t.split(":")) for t in a.tiles.split(",")]
+    dots = [attention_kernel.parse_dot(d) for d in a.dots.split(",")]
     common = {"bench": "attention", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv),
               "reps": a.reps, "heads": heads, "kdim": kdim, "rope_dims": rope}
     rng = np.random.default_rng(0)
@@ -66,10 +71,11 @@ def main(argv=None) -> int:
         xla = lambda q, k, v, p: attention.attend_xla(cfg, sink, q, k, v, p, freqs)  # noqa: E731
         want = np.asarray(jax.jit(xla)(q, keys, valid, pos))
         loop_s = _seconds(_loop(lambda q, k, v, p: q[:1, :1], a.reps), q, keys, valid, pos) / a.reps
-        for path, tile in [("xla", None)] + [("kernels", t) for t in tiles]:
-            fn = xla if tile is None else (lambda q, k, v, p, t=tile: attention_kernel.attend_kernels(  # noqa: E731
-                q, k, v, sink, p, freqs, kdim ** -0.5, None, interpret=not gpu, turn_inside=True, tile=t))
-            row = {**common, "keys": n, "path": path, "tile": tile}
+        for path, tile, dot in [("xla", None, None)] + [("kernels", t, d) for t in tiles for d in dots]:
+            fn = xla if tile is None else (lambda q, k, v, p, t=tile, d=dot: (  # noqa: E731
+                attention_kernel.attend_kernels(q, k, v, sink, p, freqs, kdim ** -0.5, None, interpret=not gpu,
+                                                turn_inside=True, tile=t, dot=d)))
+            row = {**common, "keys": n, "path": path, "tile": tile, "dot": dot}
             try:
                 got = np.asarray(jax.jit(fn)(q, keys, valid, pos))
                 s = _seconds(_loop(fn, a.reps), q, keys, valid, pos) / a.reps

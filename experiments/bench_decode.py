@@ -125,8 +125,8 @@ def kernel_ab() -> dict:
             "int8_types": sorted(t.name for t in int8_act.INT8_TYPES), "int8_q8_0_form": triton_int8._Q8_0_FORM,
             "int8_round_kernel": int8_round_kernel.ENABLED, "shared_launch": qtensor._SHARED_LAUNCH,
             "topk_kernel": topk_kernel.ENABLED, "attn_kernel": attention_kernel.ENABLED,
-            "attn_tile": attention_kernel.TILE, "mhc_kernel": mhc_input_kernel.ENABLED,
-            "side_stream": side_stream.MECHANISM}
+            "attn_tile": attention_kernel.TILE, "attn_dot": attention_kernel.DOT,
+            "mhc_kernel": mhc_input_kernel.ENABLED, "side_stream": side_stream.MECHANISM}
 
 
 def _machine() -> str:

@@ -115,8 +115,8 @@ case "${1:-}" in
       "${off[@]}" python3 experiments/bench_decode.py "${common[@]}"
       (( SECONDS < ${ROUND_DECODE_UNTIL_S:-330} )) || break
     done ;;
-  attention)  # ATTN_TILES: the tiles to time (bench_attention's --tiles; default its sweep)
-    python3 experiments/bench_attention.py ${ATTN_TILES:+--tiles "$ATTN_TILES"} \
+  attention)  # ATTN_TILES, ATTN_DOTS: the tiles and product forms to time (bench_attention's --tiles, --dots)
+    python3 experiments/bench_attention.py ${ATTN_TILES:+--tiles "$ATTN_TILES"} ${ATTN_DOTS:+--dots "$ATTN_DOTS"} \
       --out "$OUT/bench_attention_h200.jsonl" ;;
   attention-ncu)
     sections=(--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats

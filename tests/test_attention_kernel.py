@@ -5,8 +5,9 @@ numpy re-derivation (RoPE of q at the token's position, V4's per-head RMS norm, 
 output turned back), over key counts that are not whole chunks, masked keys, a query whose keys are all masked
 (the sink alone), head counts that are not whole head blocks, RoPE over part of the latent or all of it; a row's
 output does not depend on the rows around it (vmapped, permuted, each row at its own position). Lowered for CUDA
-with the switch on, `attend` is the two Triton calls; for the CPU, or with the switch off, it is not. On a GPU
-(marker `gpu`): the compiled kernels against the XLA spelling, and one row against the same row in a vmapped block.
+with the switch on, `attend` is the two Triton calls; for the CPU, or with the switch off, it is not; the products'
+two forms (JDS41_ATTN_DOT) lower to different kernels. On a GPU (marker `gpu`), in both forms: the compiled kernels
+against the XLA spelling and the float64 re-derivation, and one row against the same row in a vmapped block.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from jds41.layers import attention, attention_kernel
-from jds41.layers.attention_kernel import attend_kernels, parse_tile
+from jds41.layers.attention_kernel import attend_kernels, parse_dot, parse_tile
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 
@@ -62,9 +63,9 @@ def _numpy_attend(q, keys, valid, sink, pos, freqs, head_norm=False):
     return _numpy_turn((e / (e.sum(axis=1) + np.exp(sink - top))[:, None]) @ keys.astype(np.float64), pos, freqs, -1)
 
 
-def _kernels(q, keys, valid, sink, pos, freqs, head_norm=False, interpret=True, turn_inside=None):
+def _kernels(q, keys, valid, sink, pos, freqs, head_norm=False, interpret=True, turn_inside=None, dot="ieee"):
     return attend_kernels(q, keys, valid, sink, pos, freqs, q.shape[1] ** -0.5, 1e-6 if head_norm else None,
-                          interpret=interpret, turn_inside=turn_inside)
+                          interpret=interpret, turn_inside=turn_inside, dot=dot)
 
 
 def _xla(q, keys, valid, sink, pos, freqs, head_norm=False):
@@ -160,16 +161,38 @@ def test_attend_lowers_to_the_kernels_on_cuda_only_when_switched_on(monkeypatch)
     assert calls("cuda") == 0
 
 
+def test_the_products_form_is_a_known_name_and_reaches_the_compiled_kernels():
+    """JDS41_ATTN_DOT's spellings: the two forms lower (for CUDA, on any machine) to different kernels."""
+    assert parse_dot("ieee") == "ieee" and parse_dot("tf32x3") == "tf32x3"
+    for bad in ("tf32", "IEEE", ""):
+        with pytest.raises(ValueError, match="attention dot"):
+            parse_dot(bad)
+    shapes = (jax.ShapeDtypeStruct((64, 512), jnp.float32), jax.ShapeDtypeStruct((136, 512), jnp.float32),
+              jax.ShapeDtypeStruct((136,), jnp.bool_), jax.ShapeDtypeStruct((64,), jnp.float32),
+              jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((32,), jnp.float32))
+
+    def lowered(dot):
+        fn = lambda *a: attend_kernels(*a, 512 ** -0.5, None, dot=dot)  # noqa: E731
+        text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count(TRITON_CALL) == 2
+        return text
+
+    assert lowered("ieee") != lowered("tf32x3")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("dot", ["ieee", "tf32x3"])
 @pytest.mark.parametrize("heads,kdim,n,head_norm", [(2, 32, 45, False), (64, 512, 640, False), (64, 512, 136, False),
                                                     (64, 512, 640, True)])
-def test_the_compiled_kernels_agree_with_the_xla_spelling_on_the_gpu(heads, kdim, n, head_norm):
+def test_the_compiled_kernels_agree_with_the_xla_spelling_on_the_gpu(heads, kdim, n, head_norm, dot):
     q, keys, valid, sink, pos, freqs = _case(heads, kdim, n, seed=3, rope=min(64, kdim // 2))
-    got = np.asarray(_kernels(q, keys, valid, sink, pos, freqs, head_norm, interpret=False))
+    got = np.asarray(_kernels(q, keys, valid, sink, pos, freqs, head_norm, interpret=False, dot=dot))
     want = np.asarray(_xla(q, keys, valid, sink, pos, freqs, head_norm))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    exact = _numpy_attend(q, keys, valid, sink, pos, freqs, head_norm)
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
     qs, ks, vs = (np.stack([a, a[::-1].copy()]) for a in (q, keys, valid))
     ps = np.array([pos, pos + 7], np.int32)
-    block = np.asarray(jax.vmap(lambda a, b, c, p: _kernels(a, b, c, sink, p, freqs, head_norm, interpret=False))(
-        qs, ks, vs, ps))
+    block = np.asarray(jax.vmap(lambda a, b, c, p: _kernels(a, b, c, sink, p, freqs, head_norm, interpret=False,
+                                                            dot=dot))(qs, ks, vs, ps))
     np.testing.assert_array_equal(block[0], got)

@@ -13,8 +13,8 @@ so the keys are cut into chunks of BN:
 That is `attend`'s softmax with the sink in the denominator only, reassociated: it agrees with the XLA spelling to
 f32 rounding, not bitwise (as the Sinkhorn kernel does), and on CUDA every path's attention is this kernel when it
 is on, so decode, verification and prefill rows stay exact against each other (a row's programs do not depend on
-the rows around it: a vmapped call adds a grid axis). Products are f32 (`precision=HIGHEST`: Triton's "ieee"
-dot, as XLA's HIGHEST is f32, never TF32). Elsewhere `default` (the XLA spelling, the reference) runs;
+the rows around it: a vmapped call adds a grid axis). Products are f32 (Triton's "ieee" dot, as XLA's HIGHEST is
+f32, never TF32) unless JDS41_ATTN_DOT=tf32x3 (`DOTS`). Elsewhere `default` (the XLA spelling, the reference) runs;
 JDS41_TRITON=interpret runs the kernels in Pallas' interpreter on every platform (tests/test_attention_kernel.py).
 
 The query comes as W_qb gives it and the output leaves as W_oa takes it: compiled, the kernels also do what XLA ran
@@ -67,7 +67,23 @@ def parse_tile(text: str) -> tuple[int, int, int, int, int]:
 # A/B runs; `attend_kernels(tile=...)` takes others (experiments/bench_attention.py). Narrower latent steps (BK 16
 # and 32, against register spills in Triton's f32 dots) were slower on an H100 (results/bench_attention38_h100.jsonl)
 TILE = parse_tile(os.environ["JDS41_ATTN_TILE"]) if os.environ.get("JDS41_ATTN_TILE") else (BH, BN, BK, CH, WARPS)
-HIGHEST = lax.Precision.HIGHEST
+
+# How the partials' products run. "ieee": f32 on the CUDA cores (XLA's HIGHEST is f32, never TF32). An H100's ncu
+# of that form (results/ncu_attention39_h100.txt: 20 programs of 128 threads, 32 registers, 6% occupancy, 130 us)
+# shows a few warps stepping FMA loops: latency, not bandwidth nor spills. "tf32x3": the tensor cores, each f32
+# operand split into a TF32 head and a TF32 remainder, three products summed (near-f32 rounding, not bit-equal to
+# "ieee"). JDS41_ATTN_DOT (read at import) picks it, for A/B runs. XLA:CPU has no such dot algorithm, so Pallas'
+# interpreter computes "ieee" whatever is asked (the GPU test checks "tf32x3" against the XLA spelling).
+DOTS = {"ieee": lax.Precision.HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+
+
+def parse_dot(text: str) -> str:
+    if text not in DOTS:
+        raise ValueError(f"attention dot {text!r}: want one of {', '.join(DOTS)}")
+    return text
+
+
+DOT = parse_dot(os.environ.get("JDS41_ATTN_DOT", "ieee"))
 
 
 def _steps(kdim: int, bk: int) -> list[tuple[int, jax.Array]]:
@@ -75,9 +91,10 @@ def _steps(kdim: int, bk: int) -> list[tuple[int, jax.Array]]:
     return [(k0 + bk - 1, k0 + jnp.arange(bk, dtype=jnp.int32)) for k0 in range(0, kdim, bk)]
 
 
-def _dot(a: jax.Array, b: jax.Array, b_axis: int) -> jax.Array:
-    """a [M, X] times b contracted over its axis `b_axis` (X), in f32 ("ieee" in Triton: never TF32)."""
-    return lax.dot_general(a, b, (((1,), (b_axis,)), ((), ())), precision=HIGHEST, preferred_element_type=jnp.float32)
+def _dot(a: jax.Array, b: jax.Array, b_axis: int, dot: str) -> jax.Array:
+    """a [M, X] times b contracted over its axis `b_axis` (X), f32 out, as `dot` (a key of DOTS) computes it."""
+    return lax.dot_general(a, b, (((1,), (b_axis,)), ((), ())), precision=DOTS[dot],
+                           preferred_element_type=jnp.float32)
 
 
 def _turn(vals, partner, cols, pos_ref, freqs_ref, *, kdim: int, inverse: bool):
@@ -93,7 +110,7 @@ def _turn(vals, partner, cols, pos_ref, freqs_ref, *, kdim: int, inverse: bool):
 
 
 def _partials(q_ref, k_ref, valid_ref, pos_ref, freqs_ref, m_ref, l_ref, acc_ref, *, heads: int, n: int, kdim: int,
-              scale: float, norm_eps: float | None, turn: bool, bh: int, bn: int, bk: int):
+              scale: float, norm_eps: float | None, turn: bool, bh: int, bn: int, bk: int, dot: str):
     hb, c = pl.program_id(0), pl.program_id(1)
     h_at = hb * bh + jnp.arange(bh, dtype=jnp.int32)
     q_rows = jnp.minimum(h_at, heads - 1)  # padding heads read the last head; their results are dropped
@@ -111,7 +128,7 @@ def _partials(q_ref, k_ref, valid_ref, pos_ref, freqs_ref, m_ref, l_ref, acc_ref
         if turn and norm_eps is not None:  # the head's sum of squares, of q unturned as rms_norm takes it
             squares = squares + jnp.sum(raw * raw, axis=1)
         kb = k_ref[k_rows[:, None], cols[None, :]]
-        s = s + _dot(qb, kb, 1)
+        s = s + _dot(qb, kb, 1, dot)
     if turn and norm_eps is not None:  # rms_norm(q) times each head's scores: a factor a head
         s = s * lax.rsqrt(squares / np.float32(kdim) + np.float32(norm_eps))[:, None]
     live_key = (n_at < n) & (valid_ref[k_rows] != 0)
@@ -123,7 +140,7 @@ def _partials(q_ref, k_ref, valid_ref, pos_ref, freqs_ref, m_ref, l_ref, acc_ref
     l_ref[c, h_at] = jnp.sum(p, axis=1)
     for _, cols in _steps(kdim, bk):
         kb = k_ref[k_rows[:, None], cols[None, :]]
-        acc_ref[c, h_at[:, None], cols[None, :]] = _dot(p, kb, 0)
+        acc_ref[c, h_at[:, None], cols[None, :]] = _dot(p, kb, 0, dot)
 
 
 def _combine(m_ref, l_ref, acc_ref, sink_ref, pos_ref, freqs_ref, o_ref, *, heads: int, chunks: int, bk: int,
@@ -157,18 +174,20 @@ def _combine(m_ref, l_ref, acc_ref, sink_ref, pos_ref, freqs_ref, o_ref, *, head
         o_ref[h_at[:, None], cols[None, :]] = turned / denom[:, None]
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "norm_eps", "interpret", "turn_inside", "tile"))
+@functools.partial(jax.jit, static_argnames=("scale", "norm_eps", "interpret", "turn_inside", "tile", "dot"))
 def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink_H: jax.Array, pos: jax.Array,
                    freqs: jax.Array, scale: float, norm_eps: float | None = None, interpret: bool = False,
-                   turn_inside: bool | None = None, tile: tuple[int, int, int, int, int] = TILE) -> jax.Array:
+                   turn_inside: bool | None = None, tile: tuple[int, int, int, int, int] = TILE,
+                   dot: str = DOT) -> jax.Array:
     """`attention.attend_xla` by the two kernels: q [H, K] as W_qb gives it (RMS-normalised a head first where
     `norm_eps` is given, V4), turned by RoPE at `pos` (int32 scalar) with `freqs` [R/2]; keys [N, K], valid [N],
     sinks [H] -> the output [H, K] f32 turned back; `interpret` runs them in Pallas' interpreter (any platform).
     `turn_inside` (default: compiled, not interpreted) has the kernels normalise and turn q and turn the output
     back; otherwise XLA does, as `attend_xla` (see the module docstring for why the interpreter does not). `tile`:
     (heads, keys, latent columns) a program of the partials, heads a program of the combination, warps (powers of
-    two; Triton's dot wants at least 16 heads)."""
+    two; Triton's dot wants at least 16 heads); `dot`: how the products run (DOTS; interpreted, always "ieee")."""
     heads, kdim = q_HK.shape
+    dot = "ieee" if interpret else parse_dot(dot)
     n = keys_NK.shape[0]
     bh, bn, bk, ch, warps = tile
     bk = min(bk, kdim)
@@ -193,7 +212,7 @@ def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink
         params = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     m, sums, acc = pl.pallas_call(
         functools.partial(_partials, heads=heads, n=n, kdim=kdim, scale=float(scale), norm_eps=norm_eps, turn=turn,
-                          bh=bh, bn=bn, bk=bk),
+                          bh=bh, bn=bn, bk=bk, dot=dot),
         out_shape=(jax.ShapeDtypeStruct((chunks, hp), jnp.float32), jax.ShapeDtypeStruct((chunks, hp), jnp.float32),
                    jax.ShapeDtypeStruct((chunks, hp, kdim), jnp.float32)),
         grid=(hp // bh, chunks), compiler_params=params, interpret=interpret, name="attend_partials",
