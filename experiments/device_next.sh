@@ -40,14 +40,15 @@
 #                                             # tests, then their layouts alone (experiments/bench_mhc_input.py,
 #                                             # every h consumed), ~2 min. Its first form (thirty-sixth session)
 #                                             # A/B'd three launches against two in decode: two won, 753.7 vs 737.1
-#   bash experiments/device_next.sh side-stream  # the shared expert and the K = V latent on a second CUDA stream
-#                                             # (JDS41_SIDE_STREAM=1, layers/side_stream.py; the same bits): decode
-#                                             # ABAB of the defaults, the switch, and the switch with XLA's latency
-#                                             # hiding scheduler (which places the async start and done), then a
-#                                             # profile an arm (decode-ab below), ~8 min. At 20734c9 (H100, jax
-#                                             # 0.11.2) the switched arms failed to compile (the prefill's
-#                                             # "No ExecutionStreamId found for %call-start"): the case now runs
-#                                             # experiments/probe_side_stream.py first (~2 min)
+#   bash experiments/device_next.sh side-stream  # the shared expert, the K = V latent and the Engram rows on a
+#                                             # second CUDA stream (JDS41_SIDE_STREAM, layers/side_stream.py; the
+#                                             # same bits): probe_side_stream.py --engine tries each site alone in
+#                                             # the engine (~3 min), then decode ABAB of the defaults against
+#                                             # SIDE_ON (default 1: every site) and a profile an arm (decode-ab
+#                                             # below), ~8 min more. At 20734c9 (H100) every site on failed to
+#                                             # compile (the prefill's "No ExecutionStreamId found for
+#                                             # %call-start"); at 9676a52 the small probe failed only with a cond
+#                                             # inside the region
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -167,10 +168,12 @@ case "${1:-}" in
     python3 -u -m pytest -q -m gpu -rf --tb=line tests/test_mhc_input_kernel.py 2>&1 | tail -4 \
       | tee "$OUT/mhc_gpu_tests.txt" || true
     python3 experiments/bench_mhc_input.py --out "$OUT/bench_mhc_input.jsonl" ;;
-  side-stream)  # the probe first (which graphs XLA accepts the annotation in); the arms cost a row if they fail
-    python3 experiments/probe_side_stream.py --out "$OUT/probe_side_stream.jsonl" >/dev/null 2>&1 || true
-    AB_ON="JDS41_SIDE_STREAM=1" AB_ON2="JDS41_SIDE_STREAM=1 XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true" \
-      bash "$0" decode-ab ;;
+  side-stream)  # the engine's sites one at a time first (a row a site: compiles? same predictions?), then decode
+    # ABAB of SIDE_ON (a JDS41_SIDE_STREAM value; default every site) against the defaults
+    python3 experiments/probe_side_stream.py --engine off,latent,shared,engram,1 --layers 2 \
+      --out "$OUT/probe_side_stream_engine.jsonl" >/dev/null 2>&1 || true
+    rm -rf /tmp/jds41-bench
+    AB_ON="JDS41_SIDE_STREAM=${SIDE_ON:-1}" bash "$0" decode-ab ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")

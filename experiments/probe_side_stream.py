@@ -10,7 +10,16 @@ take it, with a cond inside or around it, a host callback or a Pallas call insid
 buffers on and off, so the switch can be applied where it works or withdrawn. Each case also checks the value
 against the same graph without the region.
 
+At 9676a52 on an H100 every case compiled and kept the bits but a cond inside the region, which failed as the
+engine had (results/probe_side_stream39_h100.jsonl); the engine's failing region held one (from
+lax.platform_dependent, which picks the products' kernel). `--engine SETS` therefore asks the engine itself: for
+each JDS41_SIDE_STREAM value in SETS (e.g. off,latent,shared,engram,1), in its own process, open a V4.1 file
+(--model, or a synthetic full-size one of --layers layers written to --workdir, as bench_decode writes them),
+feed a prompt and decode forced tokens in the device loop twice; a row with ok or the error, ms a token (not a
+benchmark: one short run) and whether the predictions equal the "off" run's.
+
     python3 experiments/probe_side_stream.py --out results/probe_side_stream.jsonl
+    python3 experiments/probe_side_stream.py --engine off,latent,shared,engram --layers 2 --out FILE
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 CASES = ("top", "while", "while_in_while", "while_weight_arg", "while_weight_platform", "while_cond_inside",
          "cond_around", "callback_while", "pallas_top", "pallas_while")
 NO_CMDBUF = "--xla_gpu_enable_command_buffer="
+SITE = "shared"  # the small graphs' regions go through one of the engine's sites (all are on in their processes)
 
 
 def run_case(case: str) -> dict:
@@ -64,13 +74,13 @@ def run_case(case: str) -> dict:
 
     def step(x, use_region: bool):
         if case == "while_cond_inside":
-            branch = side_stream.on_side_stream(side_with_cond, x) if use_region else side_with_cond(x)
+            branch = side_stream.on_side_stream(SITE, side_with_cond, x) if use_region else side_with_cond(x)
         elif case == "cond_around":
             def annotated(v):
-                return side_stream.on_side_stream(side, v) if use_region else side(v)
+                return side_stream.on_side_stream(SITE, side, v) if use_region else side(v)
             branch = jax.lax.cond(x[0] > -100.0, annotated, lambda v: side(v) * 0.0, x)
         else:
-            branch = side_stream.on_side_stream(side, x) if use_region else side(x)
+            branch = side_stream.on_side_stream(SITE, side, x) if use_region else side(x)
         main = jnp.cos(a.T @ x)
         return (branch + main) / 4.0
 
@@ -87,7 +97,7 @@ def run_case(case: str) -> dict:
 
         def graph_w(x, use_region: bool, w):
             def body(i, v):
-                branch = side_stream.on_side_stream(side, v, w) if use_region else side(v, w)
+                branch = side_stream.on_side_stream(SITE, side, v, w) if use_region else side(v, w)
                 return (branch + jnp.cos(w[0].T @ v)) / 4.0
             return jax.lax.fori_loop(0, 4, body, x)
 
@@ -113,27 +123,98 @@ def run_case(case: str) -> dict:
     return row
 
 
+def run_engine(model: str) -> dict:
+    """Opens `model` with this process's JDS41_SIDE_STREAM and decodes (in the child process); the row."""
+    import hashlib
+    import time
+
+    import numpy as np
+
+    from jds41.decode_loop import decode_forced
+    from jds41.engine import Engine
+    from jds41.layers import side_stream
+
+    row = {"sites": os.environ.get("JDS41_SIDE_STREAM", "0"), "mechanism": side_stream.MECHANISM}
+    try:
+        engine = Engine.open(model, max_ctx=300, numerics="int8")
+        rng = np.random.default_rng(3)
+        top = min(4000, engine.cfg.vocab_size)
+        prompt = [int(t) for t in rng.integers(8, top, 32)]
+        warm, timed = ([int(t) for t in rng.integers(8, top, 65)] for _ in range(2))
+        runs = []
+        for stream in (warm, timed, timed):  # the first compiles; the last two must agree with each other
+            session = engine.session()
+            session.feed(prompt)
+            t0 = time.perf_counter()
+            runs.append((decode_forced(session, stream), time.perf_counter() - t0))
+        (_, _), (preds, s1), (again, s2) = runs
+        row.update(ok=True, ms_per_token=[round(1e3 * s / (len(timed) - 1), 3) for s in (s1, s2)],
+                   predictions_sha256=hashlib.sha256(np.asarray(preds, np.int32).tobytes()).hexdigest()[:16],
+                   repeats=bool(np.array_equal(preds, again)))
+    except Exception as e:  # the failure is the measurement
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:600]}")
+    return row
+
+
+def _child_row(args: list[str], env: dict, label: dict, timeout: int) -> dict:
+    """This script's child mode with `args`: its last JSON line, or a row with its exit and stderr's tail."""
+    r = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else {**label, "ok": False, "error": f"rc {r.returncode}: {r.stderr[-400:]}"}
+
+
+def probe_engine(a, header: dict) -> None:
+    model = a.model
+    if model is None:
+        from bench_decode import model_config, write_file
+
+        os.makedirs(a.workdir, exist_ok=True)
+        model = os.path.join(a.workdir, f"deepseek41-full-{a.layers}L-ds4-q2-probe.gguf")
+        write_file(model, model_config("deepseek41", a.layers, a.engram_rows), "ds4-q2")
+    off = None
+    with open(a.out, "a") as out:
+        for sites in a.engine.split(","):
+            env = dict(os.environ, JDS41_SIDE_STREAM="0" if sites == "off" else sites.replace("+", ","))
+            row = _child_row(["--out", a.out, "--engine-child", model], env, {"sites": sites}, 900)
+            if sites == "off" and row.get("ok"):
+                off = row["predictions_sha256"]
+            if off is not None and row.get("ok"):
+                row["same_predictions_as_off"] = row["predictions_sha256"] == off
+            row = {**header, "mode": "engine", "layers": None if a.model else a.layers, **row}
+            print(json.dumps(row), flush=True)
+            out.write(json.dumps(row) + "\n")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--case", help="run one case here and print its row (the parent's child mode)")
+    p.add_argument("--engine", help="comma-separated JDS41_SIDE_STREAM values for the engine (off: none; sites "
+                   "joined by +, e.g. latent+shared)")
+    p.add_argument("--engine-child", metavar="MODEL", help="the engine's run here (the parent's child mode)")
+    p.add_argument("--model", help="the V4.1 GGUF for --engine (default: a synthetic full-size one)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--engram-rows", type=int, default=1 << 20, help="rows a table of the synthetic file")
+    p.add_argument("--workdir", default="/tmp/jds41-bench")
     a = p.parse_args()
     if a.case:
         print(json.dumps(run_case(a.case)))
         return 0
+    if a.engine_child:
+        print(json.dumps(run_engine(a.engine_child)))
+        return 0
     from bench_decode import _commit, _machine  # sibling script, run as a file
 
     header = {"bench": "probe_side_stream", "commit": _commit(), "machine": _machine(), "command": " ".join(sys.argv)}
+    if a.engine:
+        probe_engine(a, header)
+        return 0
     with open(a.out, "a") as out:
         for flags in ("", NO_CMDBUF):
             for case in CASES:
                 env = dict(os.environ, JDS41_SIDE_STREAM="1")
                 env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
-                r = subprocess.run([sys.executable, __file__, "--out", a.out, "--case", case], env=env,
-                                   capture_output=True, text=True, timeout=300)
-                lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-                row = json.loads(lines[-1]) if lines else {"case": case, "ok": False,
-                                                           "error": f"rc {r.returncode}: {r.stderr[-400:]}"}
+                row = _child_row(["--out", a.out, "--case", case], env, {"case": case}, 300)
                 row = {**header, **row, "xla_flags_added": flags}
                 print(json.dumps(row), flush=True)
                 out.write(json.dumps(row) + "\n")

@@ -60,7 +60,7 @@ def step_rows_fn(engine):
 
 def fetch_step_rows(rows_fn, block, hist, n_hist):
     """`rows_fn(block, hist, n_hist)` inside a device loop's step. Only the Engram layers read the rows (V4.1's
-    first is layer 1), so with JDS41_SIDE_STREAM=1 the host round trip (~200 us a token on an H100: copies out and
-    in, the lookup) goes on the second stream (layers/side_stream.py), where it can overlap the layers before them;
-    the same rows either way."""
-    return on_side_stream(rows_fn, block, hist, n_hist)
+    first is layer 1), so with the side stream's site "engram" on, the host round trip (~200 us a token on an H100:
+    copies out and in, the lookup) goes on the second stream (layers/side_stream.py), where it can overlap the
+    layers before them; the same rows either way."""
+    return on_side_stream("engram", rows_fn, block, hist, n_hist)

@@ -1,9 +1,11 @@
-"""The second CUDA stream for independent branches (jds41/layers/side_stream.py, JDS41_SIDE_STREAM=1).
+"""The second CUDA stream for independent branches (jds41/layers/side_stream.py, JDS41_SIDE_STREAM=1 or a list of
+its sites).
 
-On every machine: switched on, the shared expert and the K = V latent lower for CUDA to calls annotated for stream 1
-(and switched off, to none); and an engine with the switch on gives the bits of one with it off (prompt logits,
-greedy tokens, the device loop's tokens, drafted tokens: the two device loops also fetch their Engram rows in the
-annotated region, engram_host_call.fetch_step_rows), the switch being read at import, hence subprocesses.
+On every machine: the shared expert and the K = V latent lower for CUDA to calls annotated for stream 1 where their
+site is switched on, and to none where it is not; the switch's spellings; and an engine with the switch on gives
+the bits of one with it off (prompt logits, greedy tokens, the device loop's tokens, drafted tokens: the two device
+loops also fetch their Engram rows in the annotated region, engram_host_call.fetch_step_rows), the switch being
+read at import, hence subprocesses.
 Other platforms run the annotated call in place, so the engine check holds what the annotation must never change:
 the values. Whether the GPU overlaps the branches is measured on the GPU box (experiments/device_next.sh
 side-stream), not asserted here.
@@ -31,9 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ANNOTATION = "_xla_stream_annotation"
 
 
-@pytest.mark.parametrize("enabled", [True, False])
-def test_the_branches_lower_to_stream_annotated_calls_only_when_switched_on(monkeypatch, enabled):
-    monkeypatch.setattr(side_stream, "ENABLED", enabled)
+@pytest.mark.parametrize("sites", [frozenset(side_stream.ALL_SITES), frozenset(), frozenset({"latent"}),
+                                   frozenset({"shared"})])
+def test_the_branches_lower_to_stream_annotated_calls_only_where_switched_on(monkeypatch, sites):
+    monkeypatch.setattr(side_stream, "SITES", sites)
     d, f, kv = 256, 128, 64
     x = jax.ShapeDtypeStruct((d,), jnp.float32)
     gate, up = QTensor.abstract(T.Q8_0, (f, d)), QTensor.abstract(T.Q8_0, (f, d))
@@ -44,9 +47,20 @@ def test_the_branches_lower_to_stream_annotated_calls_only_when_switched_on(monk
     freqs = jax.ShapeDtypeStruct((8,), jnp.float32)
     latent = jax.jit(lambda h, w, p, fr: attention.latent(cfg, w, h, p, fr)).trace(
         x, w, jax.ShapeDtypeStruct((), jnp.int32), freqs)
-    for traced in (shared, latent):
+    for site, traced in (("shared", shared), ("latent", latent)):
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        assert (f'{ANNOTATION} = "1"' in text) is enabled
+        assert (f'{ANNOTATION} = "1"' in text) is (site in sites)
+
+
+def test_the_switch_names_its_sites():
+    assert side_stream.parse_sites("1") == set(side_stream.ALL_SITES)
+    assert side_stream.parse_sites("0") == side_stream.parse_sites("") == set()
+    assert side_stream.parse_sites("latent,engram") == {"latent", "engram"}
+    for bad in ("yes", "latent,router", "latent;shared"):
+        with pytest.raises(ValueError, match="JDS41_SIDE_STREAM"):
+            side_stream.parse_sites(bad)
+    with pytest.raises(ValueError, match="unknown site"):
+        side_stream.on_side_stream("router", lambda v: v, jnp.zeros(2))
 
 
 # argv: model, output .npy; prints one JSON line (the mechanism, the tokens of each path)

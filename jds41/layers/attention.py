@@ -53,11 +53,12 @@ def query(cfg: ModelConfig, w: dict, h_D: jax.Array) -> tuple[jax.Array, jax.Arr
 
 def latent(cfg: ModelConfig, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array) -> jax.Array:
     """The token's K = V latent [HD], normalised and rotated. It does not depend on the query: with
-    JDS41_SIDE_STREAM=1 its kernels run on a second CUDA stream beside the query's (layers/side_stream.py)."""
+    the side stream's site "latent" on (JDS41_SIDE_STREAM) its kernels run on a second CUDA stream beside the
+    query's (layers/side_stream.py)."""
     def body(h_D, kv_w, norm_w, pos, freqs):
         return apply_rope(rms_norm(qmatvec(h_D, kv_w), norm_w, cfg.rms_eps), pos, freqs)
 
-    return on_side_stream(body, h_D, w["attn_kv"], w["attn_kv_a_norm"], pos, freqs)
+    return on_side_stream("latent", body, h_D, w["attn_kv"], w["attn_kv_a_norm"], pos, freqs)
 
 
 def push_ring(ring: dict, kv: jax.Array, pos: jax.Array) -> dict:

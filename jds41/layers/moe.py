@@ -78,13 +78,13 @@ def routed_experts(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Arr
 
 def shared_expert(x_D: jax.Array, gate, up, down, limit) -> jax.Array:
     """The shared expert of one token (weight 1) -> [D]. gate/up [F*S, D], down [D, F*S] QTensors. It does not
-    depend on the routed experts: with JDS41_SIDE_STREAM=1 its kernels run on a second CUDA stream beside theirs
-    (layers/side_stream.py), the same values."""
+    depend on the routed experts: with the side stream's site "shared" on (JDS41_SIDE_STREAM) its kernels run on a
+    second CUDA stream beside theirs (layers/side_stream.py), the same values."""
     def body(x_D, gate, up, down):
         h_F = swiglu(*qmatvec_parts(x_D, (gate, up)), limit)  # one launch where switched on, as above
         return qmatvec(h_F, down)
 
-    return island(on_side_stream(body, island(jnp.asarray(x_D, jnp.float32)), gate, up, down))
+    return island(on_side_stream("shared", body, island(jnp.asarray(x_D, jnp.float32)), gate, up, down))
 
 
 def routed_experts_rows(x_TD: jax.Array, gate_exps, up_exps, down_exps, idx_TK: jax.Array, weight_TK: jax.Array,

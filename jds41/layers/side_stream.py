@@ -12,18 +12,22 @@ the host's lookup, ~200 us of an idle GPU a token) feeds only the Engram layers,
 overlap the layers before them (engram_host_call.fetch_step_rows). The kernels and their inputs are the same
 either way, so every value is the same bits; only the order in which the GPU runs them changes.
 
-`on_side_stream(fn, *args)` is fn(*args) wrapped in JAX's region-based `compute_on` with compute type
+`on_side_stream(site, fn, *args)` is fn(*args) wrapped in JAX's region-based `compute_on` with compute type
 "gpu_stream:1": XLA turns the call into an async start and done on stream 1 (its flag
 `xla_gpu_experimental_stream_annotation`, on by default in recent XLA); other platforms ignore the annotation and
-run the call in place. Off unless JDS41_SIDE_STREAM=1 (read at import); where the installed jax offers no
-region-based `compute_on`, it stays off (`MECHANISM` says which form is used).
+run the call in place. Off unless JDS41_SIDE_STREAM (read at import) names its site: "1" every site (`ALL_SITES`:
+the K = V "latent", the "shared" expert, the device loop's "engram" rows), or a comma list of them, so each can be
+compiled and timed alone; where the installed jax offers no region-based `compute_on`, it stays off (`MECHANISM`
+says which form is used and where).
 
 Not usable on the GPU yet: its first run (20734c9, an H100, jax 0.11.2; experiments/README.md, thirty-seventh
 session) failed to compile the engine's prefill graph: XLA found no execution stream for the call-start of the
 K = V latent's region inside the layers' loop ("No ExecutionStreamId found for %call-start ... not reachable from
-the module's entrypoint, or only reachable through embedded calls"). experiments/probe_side_stream.py asks which
-graph shapes XLA accepts the annotation in (at the top, in a while body, with a weight argument, with a cond, a
-host callback or a Pallas call inside, with command buffers off); it runs first in the `side-stream` case.
+the module's entrypoint, or only reachable through embedded calls"). experiments/probe_side_stream.py asked which
+graph shapes XLA accepts the annotation in: at 9676a52 (an H100) every one it tried compiled and kept the bits (top
+level, while bodies, nested whiles, a weight argument, lax.platform_dependent, a host callback or a Pallas call
+inside, a cond around) except a lax.cond inside the region, which failed as the engine did
+(results/probe_side_stream39_h100.jsonl); its `--engine` mode tries the engine's sites one at a time.
 """
 
 from __future__ import annotations
@@ -34,8 +38,23 @@ from collections.abc import Callable
 
 import jax
 
-ENABLED = os.environ.get("JDS41_SIDE_STREAM", "0") == "1"
+ALL_SITES = ("latent", "shared", "engram")
 STREAM = "gpu_stream:1"
+
+
+def parse_sites(text: str) -> frozenset[str]:
+    """JDS41_SIDE_STREAM's value -> the sites it switches on: "1" all, "0" or "" none, else a comma list."""
+    if text in ("", "0"):
+        return frozenset()
+    if text == "1":
+        return frozenset(ALL_SITES)
+    sites = frozenset(text.split(","))
+    if not sites <= set(ALL_SITES):
+        raise ValueError(f"JDS41_SIDE_STREAM={text!r}: want 1, 0 or a comma list of {', '.join(ALL_SITES)}")
+    return sites
+
+
+SITES = parse_sites(os.environ.get("JDS41_SIDE_STREAM", "0"))
 
 
 def _region_compute_on():
@@ -53,12 +72,16 @@ def _region_compute_on():
 
 
 _REGION, _FORM = _region_compute_on()
-MECHANISM = (_FORM if _REGION is not None else f"unavailable ({_FORM})") if ENABLED else "off"
+MECHANISM = ((f"{_FORM} ({','.join(s for s in ALL_SITES if s in SITES)})" if _REGION is not None
+              else f"unavailable ({_FORM})") if SITES else "off")
 
 
-def on_side_stream(fn: Callable, *args):
-    """fn(*args) (a pytree of device arrays out), its kernels on stream 1 where switched on; the same values."""
-    if not ENABLED or _REGION is None:
+def on_side_stream(site: str, fn: Callable, *args):
+    """fn(*args) (a pytree of device arrays out), its kernels on stream 1 where `site` is switched on; the same
+    values."""
+    if site not in ALL_SITES:
+        raise ValueError(f"on_side_stream: unknown site {site!r}")
+    if site not in SITES or _REGION is None:
         return fn(*args)
     wrapped = _REGION(fn, compute_type=STREAM, out_memory_spaces=jax.memory.Space.Device)
     return wrapped(*args)
