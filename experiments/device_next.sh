@@ -19,11 +19,12 @@
 #                                             # their tiles at V4.1's shape (experiments/bench_attention.py), ~3 min;
 #                                             # ATTN_TILES picks the tiles (BH:BN:BK:CH:W,...). At 11f519e on an H100
 #                                             # steps of 16 and 32 latent columns ran slower than 128 (thirty-eighth
-#                                             # session): not register spills
-#   bash experiments/device_next.sh attention-ncu  # why the attention kernels are slow (NCU_TILE: the tile): ncu of
-#                                             # one attend_partials and one attend_combine call at 136 keys
-#                                             # (alone they took 93-359 us over six tiles on an H100 at 451c1c4 where
-#                                             # XLA took 12-23: a fixed ~80 us that no tile changed), ~3 min
+#                                             # session): not register spills. ATTN_DOTS picks the products' forms:
+#                                             # at 9eabd80 tf32x3 ran 8x faster than ieee, level with XLA
+#   bash experiments/device_next.sh attention-ncu  # the attention kernels' counters (NCU_TILE: the tile, NCU_DOT:
+#                                             # the products' form): ncu of one attend_partials and one
+#                                             # attend_combine call at 136 keys, ~2 min. At 9676a52 on an H100 (the
+#                                             # ieee form): 20 programs of 4 warps, 6% occupancy, 130 us
 #   bash experiments/device_next.sh cmdbuf    # V4.1 int8 decode ABAB (decode-ab): XLA's default command buffer types
 #                                             # against the same plus WHILE and CONDITIONAL (the device loop's
 #                                             # predicate stays on the GPU), ~6 min; CMDBUF_NONE=1 adds an
@@ -119,12 +120,13 @@ case "${1:-}" in
   attention)  # ATTN_TILES, ATTN_DOTS: the tiles and product forms to time (bench_attention's --tiles, --dots)
     python3 experiments/bench_attention.py ${ATTN_TILES:+--tiles "$ATTN_TILES"} ${ATTN_DOTS:+--dots "$ATTN_DOTS"} \
       --out "$OUT/bench_attention_h200.jsonl" ;;
-  attention-ncu)
-    sections=(--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats
-              --section SchedulerStats --section MemoryWorkloadAnalysis --section SourceCounters)
-    ncu --clock-control none -k regex:attend_ -c 2 "${sections[@]}" \
+  attention-ncu)  # NCU_DOT: the products' form (ieee, tf32x3)
+    # On the H100s lent so far kernel replay failed (LaunchFailed) and application replay crashed at the fourth pass
+    # with the warp-state, scheduler and memory sections: application replay of these three ran (~10 passes)
+    sections=(--section SpeedOfLight --section LaunchStats --section Occupancy)
+    ncu --replay-mode application --clock-control none -k regex:attend_ -c 2 "${sections[@]}" \
       python3 experiments/bench_attention.py --reps 1 --keys 136 --tiles "${NCU_TILE:-16:32:128:4:4}" \
-      >"$OUT/ncu_attention.txt" 2>&1
+      --dots "${NCU_DOT:-ieee}" --out "$OUT/bench_attention_ncu.jsonl" >"$OUT/ncu_attention.txt" 2>&1
     tail -60 "$OUT/ncu_attention.txt" ;;
   determinism)
     common=("${V41_DECODE[@]}" --out "$OUT/bench_decode_determinism_v41_4L_h200.jsonl")
