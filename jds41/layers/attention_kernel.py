@@ -72,8 +72,9 @@ TILE = parse_tile(os.environ["JDS41_ATTN_TILE"]) if os.environ.get("JDS41_ATTN_T
 # of that form (results/ncu_attention39_h100.txt: 20 programs of 128 threads, 32 registers, 6% occupancy, 130 us)
 # shows a few warps stepping FMA loops: latency, not bandwidth nor spills. "tf32x3": the tensor cores, each f32
 # operand split into a TF32 head and a TF32 remainder, three products summed (near-f32 rounding, not bit-equal to
-# "ieee"). JDS41_ATTN_DOT (read at import) picks it, for A/B runs. XLA:CPU has no such dot algorithm, so Pallas'
-# interpreter computes "ieee" whatever is asked (the GPU test checks "tf32x3" against the XLA spelling).
+# "ieee"). JDS41_ATTN_DOT (read at import) picks it, for A/B runs: on an H100 it ran 8x faster than "ieee", level
+# with XLA alone, and gave no decode gain (results/bench_decode_attn_dot39_v41_4L_h100.jsonl). XLA:CPU has no such
+# dot algorithm, so Pallas' interpreter computes "ieee" whatever is asked (the GPU test checks "tf32x3").
 DOTS = {"ieee": lax.Precision.HIGHEST, "tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
