@@ -11,8 +11,10 @@ buffers on and off, so the switch can be applied where it works or withdrawn. Ea
 against the same graph without the region.
 
 At 9676a52 on an H100 every case compiled and kept the bits but a cond inside the region, which failed as the
-engine had (results/probe_side_stream39_h100.jsonl); the engine's failing region held one (from
-lax.platform_dependent, which picks the products' kernel). `--engine SETS` therefore asks the engine itself: for
+engine had (results/probe_side_stream39_h100.jsonl). Lowered for CUDA, the engine's regions also held nested calls
+(the products' jitted rows_matvec), a shape no case had: `while_nested_jit_raw` has one as JAX lowers it,
+`while_nested_jit` the same inlined, as regions now are (side_stream.inline_calls). `--engine SETS` asks the
+engine itself: for
 each JDS41_SIDE_STREAM value in SETS (e.g. off,latent,shared,engram,1), in its own process, open a V4.1 file
 (--model, or a synthetic full-size one of --layers layers written to --workdir, as bench_decode writes them),
 feed a prompt and decode forced tokens in the device loop twice; a row with ok or the error, ms a token (not a
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CASES = ("top", "while", "while_in_while", "while_weight_arg", "while_weight_platform", "while_cond_inside",
-         "cond_around", "callback_while", "pallas_top", "pallas_while")
+         "cond_around", "callback_while", "pallas_top", "pallas_while", "while_nested_jit", "while_nested_jit_raw")
 NO_CMDBUF = "--xla_gpu_enable_command_buffer="
 SITE = "shared"  # the small graphs' regions go through one of the engine's sites (all are on in their processes)
 
@@ -75,6 +77,11 @@ def run_case(case: str) -> dict:
     def step(x, use_region: bool):
         if case == "while_cond_inside":
             branch = side_stream.on_side_stream(SITE, side_with_cond, x) if use_region else side_with_cond(x)
+        elif case.startswith("while_nested_jit"):  # a jitted function inside, as the products' rows_matvec
+            nested = jax.jit(lambda v: jnp.tanh(a @ v))
+            fn = lambda v: nested(v) * 2.0  # noqa: E731
+            inline = case == "while_nested_jit"  # the _raw case: the region as JAX lowers it, the call kept
+            branch = side_stream.on_side_stream(SITE, fn, x, inline=inline) if use_region else fn(x)
         elif case == "cond_around":
             def annotated(v):
                 return side_stream.on_side_stream(SITE, side, v) if use_region else side(v)

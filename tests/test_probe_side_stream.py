@@ -30,7 +30,7 @@ def probe(monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["while", "while_weight_arg", "while_weight_platform", "while_cond_inside",
-                                  "callback_while"])
+                                  "callback_while", "while_nested_jit", "while_nested_jit_raw"])
 def test_a_case_lowers_annotated_and_keeps_the_bits(probe, case):
     row = probe.run_case(case)
     assert row["case"] == case

@@ -13,6 +13,7 @@ side-stream), not asserted here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -27,7 +28,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from jds41.layers import attention, moe, side_stream
-from jds41.quant import QTensor
+from jds41.quant import QTensor, triton_matvec
 
 ROOT = Path(__file__).resolve().parents[1]
 ANNOTATION = "_xla_stream_annotation"
@@ -61,6 +62,59 @@ def test_the_switch_names_its_sites():
             side_stream.parse_sites(bad)
     with pytest.raises(ValueError, match="unknown site"):
         side_stream.on_side_stream("router", lambda v: v, jnp.zeros(2))
+
+
+def test_a_region_holds_no_nested_call_once_lowered_for_cuda(monkeypatch):
+    """The K = V latent's product as the engine lowers it on CUDA (planar Q8_0, the Triton kernel behind
+    lax.platform_dependent and a nested jax.jit): the region's function holds the kernel and no call, which XLA
+    could not place on the stream (side_stream.inline_calls)."""
+    monkeypatch.setattr(side_stream, "SITES", frozenset({"latent"}))
+    monkeypatch.setattr(triton_matvec, "ENABLED", True)
+    monkeypatch.setattr(triton_matvec, "INTERPRET", False)
+    d, kv = 5120, 512
+    w = {"attn_kv": dataclasses.replace(QTensor.abstract(T.Q8_0, (kv, d)), layout="planar"),
+         "attn_kv_a_norm": jax.ShapeDtypeStruct((kv,), jnp.float32)}
+    cfg = types.SimpleNamespace(rms_eps=1e-6)
+
+    def lowered():  # a new function each time: jit's trace cache would keep the first switch's graph
+        def loop(h, w, p, fr):  # in a while body, as the engine's layers are
+            return jax.lax.fori_loop(0, 2, lambda i, v: v + attention.latent(cfg, w, h, p, fr).sum(),
+                                     jnp.float32(0))
+        shapes = (jax.ShapeDtypeStruct((d,), jnp.float32), w, jax.ShapeDtypeStruct((), jnp.int32),
+                  jax.ShapeDtypeStruct((8,), jnp.float32))
+        return jax.jit(loop).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered()
+    region = text[text.index("func.func private @compute_on"):]
+    region = region[:region.index("\n  }")]
+    assert "__gpu$xla.gpu.triton" in region and f'{ANNOTATION} = "1"' in region
+    assert "call @" not in region.replace("custom_call @", "")
+    monkeypatch.setattr(side_stream, "SITES", frozenset())  # the check can fail: without the region, the call is there
+    plain = lowered()
+    assert "@compute_on" not in plain and "call @rows_matvec" in plain
+
+
+def test_inlining_the_calls_keeps_the_values():
+    """inline_calls against the function itself, eagerly and compiled: nested jits (one inside another), a
+    platform_dependent conditional with a jit in its branches, a custom_jvp function, a pytree in and out."""
+    inner = jax.jit(lambda v: jnp.clip(v * 3.0, -2.0, 2.0))
+
+    def fn(x, pair):
+        a, b = pair
+        y = jax.lax.platform_dependent(x, cpu=lambda v: inner(v) + 1.0, default=lambda v: inner(v) - 1.0)
+        return {"y": jax.nn.relu(y) * a, "z": jax.jit(lambda u: jnp.sin(u) @ b)(x)}
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(16), jnp.float32)
+    pair = (jnp.float32(0.7), jnp.asarray(rng.standard_normal((16, 4)), jnp.float32))
+    want = fn(x, pair)
+    for got in (side_stream.inline_calls(fn)(x, pair), jax.jit(side_stream.inline_calls(fn))(x, pair)):
+        assert sorted(got) == ["y", "z"]
+        for k in got:
+            np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+    jaxpr = str(jax.make_jaxpr(side_stream.inline_calls(fn))(x, pair))
+    assert "pjit" not in jaxpr and "jit[" not in jaxpr and "custom_jvp_call" not in jaxpr
+    assert "pjit" in str(jax.make_jaxpr(fn)(x, pair)) or "jit[" in str(jax.make_jaxpr(fn)(x, pair))
 
 
 # argv: model, output .npy; prints one JSON line (the mechanism, the tokens of each path)

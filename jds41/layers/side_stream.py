@@ -27,7 +27,11 @@ the module's entrypoint, or only reachable through embedded calls"). experiments
 graph shapes XLA accepts the annotation in: at 9676a52 (an H100) every one it tried compiled and kept the bits (top
 level, while bodies, nested whiles, a weight argument, lax.platform_dependent, a host callback or a Pallas call
 inside, a cond around) except a lax.cond inside the region, which failed as the engine did
-(results/probe_side_stream39_h100.jsonl); its `--engine` mode tries the engine's sites one at a time.
+(results/probe_side_stream39_h100.jsonl); its `--engine` mode tries the engine's sites one at a time. Lowered for
+CUDA, the engine's regions held nested calls (the products' jitted `rows_matvec`, jnp.clip's), which the region's
+attributes mark not inlineable and annotate for the stream, the one shape the small probe lacked; the failing
+instruction was the reshape at the head of `rows_matvec`. Regions now inline them first (`inline_calls`), not yet
+run on a GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import os
 from collections.abc import Callable
 
 import jax
+from jax.extend import core as jcore
 
 ALL_SITES = ("latent", "shared", "engram")
 STREAM = "gpu_stream:1"
@@ -76,12 +81,58 @@ MECHANISM = ((f"{_FORM} ({','.join(s for s in ALL_SITES if s in SITES)})" if _RE
               else f"unavailable ({_FORM})") if SITES else "off")
 
 
-def on_side_stream(site: str, fn: Callable, *args):
+def on_side_stream(site: str, fn: Callable, *args, inline: bool = True):
     """fn(*args) (a pytree of device arrays out), its kernels on stream 1 where `site` is switched on; the same
-    values."""
+    values. `inline=False` keeps fn's nested calls as JAX lowers them (experiments/probe_side_stream.py's control)."""
     if site not in ALL_SITES:
         raise ValueError(f"on_side_stream: unknown site {site!r}")
     if site not in SITES or _REGION is None:
         return fn(*args)
-    wrapped = _REGION(fn, compute_type=STREAM, out_memory_spaces=jax.memory.Space.Device)
-    return wrapped(*args)
+    body = inline_calls(fn) if inline else fn
+    return _REGION(body, compute_type=STREAM, out_memory_spaces=jax.memory.Space.Device)(*args)
+
+
+# Primitives that only call a jaxpr (a nested jax.jit and its kin): a region takes their bodies in place.
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call"})
+
+
+def inline_calls(fn: Callable) -> Callable:
+    """fn, traced with every nested call inlined, in conditionals' branches too: the same operations, the same
+    values, no call boundary. Why: lowered in a region, each of them (the products' `rows_matvec` is a jax.jit, and
+    it calls jnp.clip's) becomes a call that XLA must not inline, annotated for the stream like every operation in
+    the region, which XLA then cannot place ("No ExecutionStreamId found for %call-start ... only reachable through
+    embedded calls": the engine's prefill at 20734c9 failed on the reshape at the head of `rows_matvec`)."""
+    def traced(*args):
+        closed, shapes = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outs = _eval_inlined(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(shapes), outs)
+
+    return traced
+
+
+def _eval_inlined(jaxpr: jcore.Jaxpr, consts, args) -> list:
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        if name in _CALLS:
+            body = eqn.params["jaxpr"] if "jaxpr" in eqn.params else eqn.params["call_jaxpr"]
+            outs = (_eval_inlined(body.jaxpr, body.consts, ins) if isinstance(body, jcore.ClosedJaxpr)
+                    else _eval_inlined(body, (), ins))
+        elif name == "cond":  # lax.platform_dependent's conditional (XLA folds it) holds the products' calls
+            branches = tuple(_inlined_branch(b) for b in eqn.params["branches"])
+            outs = eqn.primitive.bind(*ins, **{**eqn.params, "branches": branches})
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _inlined_branch(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in closed.in_avals]
+    return jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(*avals)
