@@ -49,7 +49,9 @@
 #                                             # below), ~8 min more. At 20734c9 (H100) every site on failed to
 #                                             # compile (the prefill's "No ExecutionStreamId found for
 #                                             # %call-start"); at 9676a52 the small probe failed only with a cond
-#                                             # inside the region
+#                                             # inside the region. Regions now inline their nested calls (the
+#                                             # suspect since: side_stream.inline_calls); run the small probe first
+#                                             # (python3 experiments/probe_side_stream.py --out ..., ~2 min)
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
