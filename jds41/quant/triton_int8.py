@@ -245,14 +245,11 @@ def _words(q_XI: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(q_XI.reshape(X, n_in // 4, 4), jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("qtype", "layout", "interpret", "tile", "q_crumb_major"))
-def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype,
-                     layout: str = "planar", interpret: bool = False, tile: tuple[int, ...] | None = None,
-                     q_crumb_major: bool = False) -> jax.Array:
-    """`int8_act.xla_int8_rows_matvec` on the GPU: q int8 [1 or K, I], d f32 [1 or K, I / 32] (`round_int8`), raw
-    rows [E, O, R] -> f32 [K, O]. `interpret` and `tile` as `triton_matvec.rows_matvec`. `q_crumb_major`: Q2_K's q
-    comes already in the order its step reads (`triton_matvec._crumb_major`, as quant/int8_round_kernel.py writes
-    it), not in value order. `raw_EOR` may be a tuple of stacks of one shape: one launch (`triton_matvec.launch`)."""
+def int8_job(q_XI: jax.Array, d_XC: jax.Array, raw_EOR, idx_K: jax.Array, qtype, layout: str = "planar",
+             interpret: bool = False, tile: tuple[int, ...] | None = None, q_crumb_major: bool = False) -> tm.Job:
+    """The `triton_matvec.Job` of `rows_matvec_int8` (its arguments; `interpret` picks the dot's plain integer
+    spelling, which the interpreter runs, over the inline assembly), for `triton_matvec.launch` or
+    quant/co_launch.py."""
     K, X, n_in = idx_K.shape[0], q_XI.shape[0], q_XI.shape[1]
     bo, nb, warps, splits = tm.checked_tile("rows_matvec_int8", KINDS, qtype, layout, raw_EOR, K, X, n_in, tile)
     if d_XC.shape != (X, n_in // BLOCK):
@@ -279,6 +276,17 @@ def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K
         dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a)
         extra = (jnp.asarray(d_XC, jnp.float32),)
         q_XI = q_XI if q_crumb_major else tm._crumb_major(q_XI)
-    return tm.launch(_words(q_XI) if x_in is None else x_in, raw_EOR, idx_K, extra, load=load, dot=dot,
-                     prefetch=qtype in tm.PREFETCH, tile=(bo, nb, warps, splits), steps=n_in // (nb * values * splits),
-                     interpret=interpret, name=f"rows_matvec_int8_{qtype.name.lower()}_{layout}")
+    return tm.make_job(_words(q_XI) if x_in is None else x_in, raw_EOR, idx_K, extra, load=load, dot=dot,
+                       prefetch=qtype in tm.PREFETCH, tile=(bo, nb, warps, splits),
+                       steps=n_in // (nb * values * splits), name=f"rows_matvec_int8_{qtype.name.lower()}_{layout}")
+
+
+@functools.partial(jax.jit, static_argnames=("qtype", "layout", "interpret", "tile", "q_crumb_major"))
+def rows_matvec_int8(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype,
+                     layout: str = "planar", interpret: bool = False, tile: tuple[int, ...] | None = None,
+                     q_crumb_major: bool = False) -> jax.Array:
+    """`int8_act.xla_int8_rows_matvec` on the GPU: q int8 [1 or K, I], d f32 [1 or K, I / 32] (`round_int8`), raw
+    rows [E, O, R] -> f32 [K, O]. `interpret` and `tile` as `triton_matvec.rows_matvec`. `q_crumb_major`: Q2_K's q
+    comes already in the order its step reads (`triton_matvec._crumb_major`, as quant/int8_round_kernel.py writes
+    it), not in value order. `raw_EOR` may be a tuple of stacks of one shape: one launch (`triton_matvec.launch`)."""
+    return tm.launch(int8_job(q_XI, d_XC, raw_EOR, idx_K, qtype, layout, interpret, tile, q_crumb_major), interpret)

@@ -40,6 +40,7 @@ once, at import: for A/B benchmarks); without Pallas' Triton backend (deprecated
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import operator
@@ -451,25 +452,81 @@ def _steps(qtype, planar: bool, n_in: int):
         else (_load_q2_k, _dot_q2_k)}[qtype]
 
 
-def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: int, nb: int, steps: int,
-            x_per_row: bool, parts: int):
-    """One program: BO rows of one selected matrix over `steps` steps of NB blocks (its split's share of the row)
-    summed into one f32 accumulator per row. `rest`: the `parts` weight stacks, the step's other inputs (tables,
-    x's scales), then the output. With `prefetch` step t + 1's bytes are loaded before step t's arithmetic and
-    carried in the loop (register double buffering: Triton does not pipeline loads that feed no dot), so a program
-    keeps a step's loads in flight while it computes; the last step's arithmetic follows the loop. The order of the
-    sums is the same either way. With several parts (stacks of one shape read by one launch: a gate and an up
-    product of one x) program column j takes part j // (O / BO), and the part's arithmetic is the one-part
-    kernel's."""
-    w_refs, extra, o_ref = rest[:parts], rest[parts:-1], rest[-1]
-    k, j, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kx = k if x_per_row else jnp.int32(0)
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One product as a kernel launch computes it: x [1 or K, ...] in the form the step reads, the weight stacks
+    (one shape, read with one x and one index list), idx [K], the step's other inputs (`extra`), its load and dot
+    functions, whether it loads a step ahead, its tile (BO, NB, warps, splits), `steps` steps a program, and its
+    kernel's name. `launch` runs one; quant/co_launch.py runs several in one grid."""
+    x: jax.Array
+    stacks: tuple
+    idx: jax.Array
+    extra: tuple
+    load: object
+    dot: object
+    prefetch: bool
+    tile: tuple
+    steps: int
+    name: str
+    one_stack: bool  # the caller passed one stack, not a tuple: `finish` returns an array
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.stacks[0].shape
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """(K, columns of programs over the parts' rows, splits)."""
+        K, (_, n_out, _), (bo, _, _, splits) = self.idx.shape[0], self.shape, self.tile
+        return K, len(self.stacks) * n_out // bo, splits
+
+    def inputs(self) -> tuple:
+        """The kernel's inputs in the order `program` reads them: idx (clamped), x, the flat stacks, extra."""
+        E, n_out, R = self.shape
+        return (jnp.clip(self.idx.astype(jnp.int32), 0, E - 1), self.x,
+                *(s.reshape(E * n_out, R) for s in self.stacks), *self.extra)
+
+    def out_shape(self) -> jax.ShapeDtypeStruct:
+        K, cols, splits = self.grid
+        return jax.ShapeDtypeStruct((splits, K, cols * self.tile[0]), jnp.float32)
+
+    def spec(self) -> "Job":
+        """This job with its arrays replaced by their shapes: what a kernel body may close over (it reads only
+        shapes, the tile and the step functions; the values come through the refs)."""
+        shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+        return dataclasses.replace(self, x=shape(self.x), stacks=tuple(map(shape, self.stacks)), idx=shape(self.idx),
+                                   extra=tuple(map(shape, self.extra)))
+
+    def finish(self, out):
+        """The kernel's [splits, K, P * O] partial sums -> f32 [K, O] (a tuple of them for several stacks), the
+        splits added in split order, one add at a time: XLA keeps the order of explicit float adds wherever it
+        fuses them, as it need not for a reduction over the split axis."""
+        summed = functools.reduce(operator.add, (out[s] for s in range(1, self.tile[3])), out[0])
+        if self.one_stack:
+            return summed
+        n_out = self.shape[1]
+        return tuple(summed[:, p * n_out:(p + 1) * n_out] for p in range(len(self.stacks)))
+
+
+def program(job: Job, refs, store, k, j, split):
+    """One program of `job`: BO rows of one selected matrix over `steps` steps of NB blocks (its split's share of
+    the row) summed into one f32 accumulator per row, handed to `store`. `refs`: the job's inputs (`Job.inputs`).
+    With `prefetch` step t + 1's bytes are loaded before step t's arithmetic and carried in the loop (register
+    double buffering: Triton does not pipeline loads that feed no dot), so a program keeps a step's loads in
+    flight while it computes; the last step's arithmetic follows the loop. The order of the sums is the same
+    either way. With several parts (stacks of one shape read by one launch: a gate and an up product of one x)
+    program column j takes part j // (O / BO), and the part's arithmetic is the one-part kernel's."""
+    parts = len(job.stacks)
+    idx_ref, x_ref, w_refs, extra = refs[0], refs[1], refs[2:2 + parts], refs[2 + parts:]
+    load, dot, steps = job.load, job.dot, job.steps
+    n_out, (bo, nb, _, _) = job.shape[1], job.tile
+    kx = k if job.x.shape[0] > 1 else jnp.int32(0)
     per_part = n_out // bo
     rows = idx_ref[k] * n_out + (j % per_part) * bo + jnp.arange(bo, dtype=jnp.int32)  # of the flat [E * O, R] stack
     blocks = lambda t: (split * steps + t) * nb + jnp.arange(nb, dtype=jnp.int32)  # noqa: E731
 
     def rows_of(w_ref):
-        if prefetch:
+        if job.prefetch:
             def step(t, carry):
                 acc_O, loaded = carry
                 ahead = load(w_ref, rows, blocks(t + 1))
@@ -477,12 +534,12 @@ def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: in
 
             acc_O, last = lax.fori_loop(0, steps - 1, step,
                                         (jnp.zeros((bo,), jnp.float32), load(w_ref, rows, blocks(0))))
-            o_ref[0, 0, :] = acc_O + dot(last, x_ref, kx, blocks(steps - 1), *extra)
+            store(acc_O + dot(last, x_ref, kx, blocks(steps - 1), *extra))
         else:
             def step(t, acc_O):
                 return acc_O + dot(load(w_ref, rows, blocks(t)), x_ref, kx, blocks(t), *extra)
 
-            o_ref[0, 0, :] = lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32))
+            store(lax.fori_loop(0, steps, step, jnp.zeros((bo,), jnp.float32)))
 
     if parts == 1:
         rows_of(w_refs[0])
@@ -491,39 +548,52 @@ def _kernel(idx_ref, x_ref, *rest, load, dot, prefetch: bool, n_out: int, bo: in
             pl.when(j // per_part == p)(functools.partial(rows_of, w_ref))
 
 
-def launch(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, steps: int, interpret: bool, name: str):
-    """The kernel over raw rows `raw_EOR` [E, O, R] for K = len(idx_K) selections (clamped to the stack), x [1 or
-    K, ...] (in the form the step reads), `extra` the step's other inputs; tile (BO, NB, warps, splits), `steps`
-    steps a program. -> f32 [K, O], the splits' partial sums added in split order. `raw_EOR` may be a tuple of
-    stacks of one shape (read with one x and one index list): one launch computes them all and returns a tuple."""
+def _kernel(*refs, job: Job):
+    """A launch of one job on its (K, columns, splits) grid; each program writes its [BO] block of the output."""
+    o_ref = refs[-1]
+
+    def store(acc_O):
+        o_ref[0, 0, :] = acc_O
+
+    program(job, refs[:-1], store, pl.program_id(0), pl.program_id(1), pl.program_id(2))
+
+
+def compiler_params(warps: int):
+    """Triton's parameters for a launch of `warps` warps (two stages, as every launch here)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=warps, num_stages=2)
+
+
+def make_job(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, steps: int, name: str) -> Job:
+    """A `Job` over raw rows `raw_EOR` [E, O, R] (or a tuple of stacks of one shape: one launch computes them all
+    and returns a tuple) for K = len(idx_K) selections (clamped to the stack), x [1 or K, ...] (in the form the
+    step reads), `extra` the step's other inputs; tile (BO, NB, warps, splits), `steps` steps a program."""
     stacks = raw_EOR if isinstance(raw_EOR, tuple) else (raw_EOR,)
-    E, n_out, R = stacks[0].shape
     if any(s.shape != stacks[0].shape for s in stacks):
         raise ValueError(f"{name}: stacks read in one launch must have one shape, got {[s.shape for s in stacks]}")
-    K, P = idx_K.shape[0], len(stacks)
-    bo, nb, warps, splits = tile
-    kernel = functools.partial(_kernel, load=load, dot=dot, prefetch=prefetch, n_out=n_out, bo=bo, nb=nb,
-                               steps=steps, x_per_row=x_XI.shape[0] > 1, parts=P)
+    return Job(x_XI, stacks, idx_K, tuple(extra), load, dot, prefetch, tuple(tile), steps, name,
+               one_stack=not isinstance(raw_EOR, tuple))
+
+
+def launch(job: Job, interpret: bool):
+    """`job` as one kernel launch on its (K, columns, splits) grid -> f32 [K, O] (a tuple for several stacks)."""
+    x, stacks = job.x, job.stacks
     params = None
     if interpret:  # Interpreted, the kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two
         # calls on one weight could then share its decoded loads (CSE) and fuse, and so round, by their surroundings.
         # The barrier keeps each call's arithmetic its own, as the compiled Triton kernel's is on the GPU.
-        x_XI, stacks = lax.optimization_barrier((x_XI, stacks))
+        x, stacks = lax.optimization_barrier((x, stacks))
+        job = dataclasses.replace(job, x=x, stacks=stacks)
     else:
-        from jax.experimental.pallas import triton as plgpu
-
-        params = plgpu.CompilerParams(num_warps=warps, num_stages=2)
+        params = compiler_params(job.tile[2])
+    bo = job.tile[0]
     out = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((splits, K, P * n_out), jnp.float32),
-        grid=(K, P * n_out // bo, splits), out_specs=pl.BlockSpec((1, 1, bo), lambda k, j, s: (s, k, j)),
-        compiler_params=params, interpret=interpret, name=name,
-    )(jnp.clip(idx_K.astype(jnp.int32), 0, E - 1), x_XI, *(s.reshape(E * n_out, R) for s in stacks), *extra)
-    # The splits' partial sums in split order, one add at a time: XLA keeps the order of explicit float adds
-    # wherever it fuses them, as it need not for a reduction over the split axis.
-    summed = functools.reduce(operator.add, (out[s] for s in range(1, splits)), out[0])
-    if not isinstance(raw_EOR, tuple):
-        return summed
-    return tuple(summed[:, p * n_out:(p + 1) * n_out] for p in range(P))
+        functools.partial(_kernel, job=job.spec()), out_shape=job.out_shape(), grid=job.grid,
+        out_specs=pl.BlockSpec((1, 1, bo), lambda k, j, s: (s, k, j)),
+        compiler_params=params, interpret=interpret, name=job.name,
+    )(*job.inputs())
+    return job.finish(out)
 
 
 def checked_tile(name: str, kinds, qtype, layout: str, raw_EOR, K: int, X: int, n_in: int,
@@ -544,6 +614,23 @@ def checked_tile(name: str, kinds, qtype, layout: str, raw_EOR, K: int, X: int, 
     return bo, nb, warps, splits
 
 
+def matvec_job(x_XI: jax.Array, raw_EOR, idx_K: jax.Array, qtype, layout: str = "ggml",
+               tile: tuple[int, ...] | None = None) -> Job:
+    """The `Job` of `rows_matvec` (its arguments), for `launch` or quant/co_launch.py."""
+    K, n_in = idx_K.shape[0], x_XI.shape[1]
+    bo, nb, warps, splits = checked_tile("rows_matvec", KINDS, qtype, layout, raw_EOR, K, x_XI.shape[0], n_in, tile)
+    values = BLOCKS[qtype][0]
+    extra = (jnp.asarray(IQ2XXS_GRID_WORDS), jnp.asarray(IQ2XXS_SIGN_BYTES)) if qtype == T.IQ2_XXS else ()
+    if qtype == T.IQ2_XXS:
+        x_XI = _octet_major(x_XI)
+    elif qtype == T.Q2_K and layout == "planar":
+        x_XI = _crumb_major(x_XI)
+    load, dot = _steps(qtype, layout == "planar", n_in)
+    return make_job(x_XI.astype(jnp.float32), raw_EOR, idx_K, extra, load=load, dot=dot, prefetch=qtype in PREFETCH,
+                    tile=(bo, nb, warps, splits), steps=n_in // (nb * values * splits),
+                    name=f"rows_matvec_{qtype.name.lower()}_{layout}")
+
+
 @functools.partial(jax.jit, static_argnames=("qtype", "layout", "interpret", "tile"))
 def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, layout: str = "ggml",
                 interpret: bool = False, tile: tuple[int, ...] | None = None) -> jax.Array:
@@ -554,15 +641,4 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
     and NB * splits the row's blocks: each of `splits` programs sums its share of a row's steps, and the shares'
     sums are added in split order). `raw_EOR` may be a tuple of stacks of one shape: one launch, a tuple of results
     (`launch`)."""
-    K, n_in = idx_K.shape[0], x_XI.shape[1]
-    bo, nb, warps, splits = checked_tile("rows_matvec", KINDS, qtype, layout, raw_EOR, K, x_XI.shape[0], n_in, tile)
-    values = BLOCKS[qtype][0]
-    extra = (jnp.asarray(IQ2XXS_GRID_WORDS), jnp.asarray(IQ2XXS_SIGN_BYTES)) if qtype == T.IQ2_XXS else ()
-    if qtype == T.IQ2_XXS:
-        x_XI = _octet_major(x_XI)
-    elif qtype == T.Q2_K and layout == "planar":
-        x_XI = _crumb_major(x_XI)
-    load, dot = _steps(qtype, layout == "planar", n_in)
-    return launch(x_XI.astype(jnp.float32), raw_EOR, idx_K, extra, load=load, dot=dot, prefetch=qtype in PREFETCH,
-                  tile=(bo, nb, warps, splits), steps=n_in // (nb * values * splits), interpret=interpret,
-                  name=f"rows_matvec_{qtype.name.lower()}_{layout}")
+    return launch(matvec_job(x_XI, raw_EOR, idx_K, qtype, layout, tile), interpret)
