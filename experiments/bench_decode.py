@@ -113,11 +113,12 @@ def kernel_ab() -> dict:
     Triton program (JDS41_TOPK_KERNEL: layers/topk_kernel.py), whether attention is (JDS41_ATTN_KERNEL:
     layers/attention_kernel.py) and whether V4.1's sublayer inputs are (JDS41_MHC_KERNEL:
     layers/mhc_input_kernel.py) and whether the shared expert and the latent run on a second stream, and by which
-    form of compute_on (JDS41_SIDE_STREAM: layers/side_stream.py)."""
+    form of compute_on (JDS41_SIDE_STREAM: layers/side_stream.py), whether the routed and shared experts' products
+    share launches (JDS41_CO_LAUNCH: quant/co_launch.py) and the tiles JDS41_TILES set (quant/triton_matvec.py)."""
     from gguf import GGMLQuantizationType as T
 
     from jds41.layers import attention_kernel, mhc_input_kernel, side_stream, topk_kernel
-    from jds41.quant import int8_act, int8_round_kernel, planar, qtensor, triton_int8, triton_matvec
+    from jds41.quant import co_launch, int8_act, int8_round_kernel, planar, qtensor, triton_int8, triton_matvec
 
     return {"kernel_prefetch": sorted(t.name for t in triton_matvec.PREFETCH),
             "kernel_splits": {t.name: v for t, v in triton_matvec.SPLITS.items()},
@@ -126,7 +127,8 @@ def kernel_ab() -> dict:
             "int8_round_kernel": int8_round_kernel.ENABLED, "shared_launch": qtensor._SHARED_LAUNCH,
             "topk_kernel": topk_kernel.ENABLED, "attn_kernel": attention_kernel.ENABLED,
             "attn_tile": attention_kernel.TILE, "attn_dot": attention_kernel.DOT,
-            "mhc_kernel": mhc_input_kernel.ENABLED, "side_stream": side_stream.MECHANISM}
+            "mhc_kernel": mhc_input_kernel.ENABLED, "side_stream": side_stream.MECHANISM,
+            "co_launch": co_launch.ENABLED, "tiles_set": os.environ.get("JDS41_TILES", "")}
 
 
 def _machine() -> str:

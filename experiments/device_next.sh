@@ -52,6 +52,11 @@
 #                                             # inside the region. Regions now inline their nested calls (the
 #                                             # suspect since: side_stream.inline_calls); run the small probe first
 #                                             # (python3 experiments/probe_side_stream.py --out ..., ~2 min)
+#   bash experiments/device_next.sh co-launch # the routed and shared experts' products in shared launches
+#                                             # (JDS41_CO_LAUNCH, quant/co_launch.py; the same bits): its GPU
+#                                             # tests, then decode ABAB of the defaults, co-launch with the shared
+#                                             # gate/up at 4 warps (JDS41_TILES: one warp count a launch), and
+#                                             # that tile alone, a profile an arm (decode-ab), ~9 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -178,6 +183,11 @@ case "${1:-}" in
       --out "$OUT/probe_side_stream_engine.jsonl" >/dev/null 2>&1 || true
     rm -rf /tmp/jds41-bench
     AB_ON="JDS41_SIDE_STREAM=${SIDE_ON:-1}" bash "$0" decode-ab ;;
+  co-launch)
+    python3 -m pytest -q -m gpu tests/test_co_launch.py -p no:cacheprovider > "$OUT/co_launch_gpu_tests.txt" 2>&1 || true
+    tail -3 "$OUT/co_launch_gpu_tests.txt"
+    shexp4="JDS41_TILES=Q8_0:1:2304:5120=16,8,4,5"
+    AB_ON="JDS41_CO_LAUNCH=1 $shexp4" AB_ON2="$shexp4" bash "$0" decode-ab ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
@@ -186,6 +196,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|v4" >&2
     exit 2 ;;
 esac

@@ -29,7 +29,7 @@ from jds41.layers import attention, compressor, indexer, mhc_input_kernel
 from jds41.layers.compressor import CompressorSpec
 from jds41.layers.engram import engram_combine
 from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_onehot_pre, hc_split
-from jds41.layers.moe import routed_experts, shared_expert
+from jds41.layers.moe import routed_and_shared, shared_expert
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import layer_rope_freqs
 from jds41.layers.router import route
@@ -221,16 +221,19 @@ def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
     idx, weight = r.idx_K, r.weight_K
     if "routed" in w and plan.ssd_call == "on-miss":  # experts split across HBM / pinned host / SSD, each computed
         y = tiered_routed_experts(w["routed"], h_D, idx, weight, cfg.swiglu_limit[lp.index])  # where its rows are
-    elif "routed" in w:  # vmapped (no IO inside a cond): the rows of all K experts gathered into [K, ...] stacks
+        if cfg.n_shared_experts:
+            y = y + shared_expert(h_D, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"],
+                                  cfg.swiglu_limit_shexp[lp.index])
+        return y, idx, r.swaps
+    shared = (w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"]) if cfg.n_shared_experts else None
+    if "routed" in w:  # vmapped (no IO inside a cond): the rows of all K experts gathered into [K, ...] stacks
         sel = select_experts(w["routed"], idx)
-        y = routed_experts(h_D, sel["gate"], sel["up"], sel["down"], jnp.arange(idx.shape[0], dtype=jnp.int32),
-                           weight, cfg.swiglu_limit[lp.index])
+        routed, at = (sel["gate"], sel["up"], sel["down"]), jnp.arange(idx.shape[0], dtype=jnp.int32)
     else:
-        y = routed_experts(h_D, w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"], idx, weight,
-                           cfg.swiglu_limit[lp.index])
-    if cfg.n_shared_experts:
-        y = y + shared_expert(h_D, w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"],
-                              cfg.swiglu_limit_shexp[lp.index])
+        routed, at = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), idx
+    # the shared expert's products share the routed ones' launches where quant/co_launch.py is on (same bits)
+    y = routed_and_shared(h_D, routed, at, weight, cfg.swiglu_limit[lp.index], shared,
+                          cfg.swiglu_limit_shexp[lp.index] if shared else None)
     return y, idx, r.swaps
 
 

@@ -9,7 +9,9 @@ vmapped kernel); the wide prompt pass keeps its bits for any cut. Against the XL
 reference path): the same logits to f32 rounding, and not the same bits (the kernel really ran). The "attention"
 case runs the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1) under the same promises, and
 the "mhc" case the sublayer inputs' kernels (layers/mhc_input_kernel.py, the default on CUDA; the other cases
-set JDS41_MHC_KERNEL=0).
+set JDS41_MHC_KERNEL=0), and the "co_launch" case the routed and shared experts' products in shared launches
+(quant/co_launch.py, JDS41_CO_LAUNCH=1: decode's layers co-launch, the tiered and verify paths do not, so their
+equalities check the co-launch's bits).
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from jds41.speculative import DSparkDrafter, SpeculativeSession
 model, profile, out = sys.argv[1:4]
 toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
 from jds41.layers import attention_kernel, mhc_input_kernel
+from jds41.quant import co_launch
 res = {"interpret": triton_matvec.INTERPRET, "attention_kernel": attention_kernel.applies(32),
-       "mhc_kernel": mhc_input_kernel.applies(4, 64, 24)}
+       "mhc_kernel": mhc_input_kernel.applies(4, 64, 24), "co_launch": co_launch.ENABLED}
 e = Engine.open(model, max_ctx=128, prefill_chunk=16)
 want = e.session().feed(toks, all_logits=True)
 np.save(out, want)
@@ -68,8 +71,9 @@ print(json.dumps(res))
 
 
 # "attention": the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1), vmapped at width 4;
-# "mhc": the sublayer inputs' kernels too (layers/mhc_input_kernel.py; the default on CUDA, off in the others)
-@pytest.mark.parametrize("kernels", ["products", "attention", "mhc"])
+# "mhc": the sublayer inputs' kernels too (layers/mhc_input_kernel.py; the default on CUDA, off in the others);
+# "co_launch": the routed and shared experts' products in shared launches (quant/co_launch.py, JDS41_CO_LAUNCH=1)
+@pytest.mark.parametrize("kernels", ["products", "attention", "mhc", "co_launch"])
 def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
     model = str(synthetic_model("deepseek41", "tiny", "mxfp4", draft_stages=2))
     profile = tmp_path / "split3.json"
@@ -78,12 +82,14 @@ def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_p
     env = {**os.environ, "JDS41_TRITON": "interpret", "JAX_PLATFORMS": "cpu",
            "JDS41_ATTN_KERNEL": "1" if kernels == "attention" else "0",
            "JDS41_MHC_KERNEL": "1" if kernels == "mhc" else "0",
+           "JDS41_CO_LAUNCH": "1" if kernels == "co_launch" else "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run([sys.executable, "-c", ENGINE_RUN, model, str(profile), str(out)], capture_output=True,
                          text=True, env=env, cwd=ROOT, timeout=1100)
     assert res.returncode == 0, res.stderr[-4000:]
     checks = json.loads(res.stdout.strip().splitlines()[-1])
     assert checks == {"interpret": True, "attention_kernel": kernels == "attention", "mhc_kernel": kernels == "mhc",
+                      "co_launch": kernels == "co_launch",
                       "tiered_logits_equal": True,
                       "tiered_tokens_equal": True, "device_loop_equal": True, "draft_equal": True,
                       "width4_draft_equal": True, "wide_cut_equal": True}, checks

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jds41.layers.rowwise import island, map_rows
 from jds41.layers.side_stream import on_side_stream
-from jds41.quant import qmatvec, qmatvec_experts, qmatvec_experts_parts, qmatvec_parts
+from jds41.quant import co_launch, qmatvec, qmatvec_experts, qmatvec_experts_parts, qmatvec_parts
 
 CLAMP_MIN_LIMIT = 1e-6  # llama.cpp applies the SwiGLU clamps only for limit > 1e-6 (0 = off)
 
@@ -85,6 +85,34 @@ def shared_expert(x_D: jax.Array, gate, up, down, limit) -> jax.Array:
         return qmatvec(h_F, down)
 
     return island(on_side_stream("shared", body, island(jnp.asarray(x_D, jnp.float32)), gate, up, down))
+
+
+def routed_and_shared(x_D: jax.Array, routed: tuple, idx_K: jax.Array, weight_K: jax.Array, limit,
+                      shared: tuple | None, limit_shexp) -> jax.Array:
+    """`routed_experts(x_D, *routed, idx_K, weight_K, limit) + shared_expert(x_D, *shared, limit_shexp)` (the shared
+    term left out where `shared` is None), the same bits. Where quant/co_launch.py is switched on
+    (JDS41_CO_LAUNCH=1) and every product is a kernel's, the routed and shared gate/up products are one launch
+    and the two down products another: the shared expert's bandwidth-bound Q8_0 programs then run beside the
+    routed experts' instruction-bound two-bit ones instead of after them. The values around the launches are the
+    separate functions' own ops in their own islands."""
+    if shared is None or not co_launch.ENABLED:
+        y = routed_experts(x_D, *routed, idx_K, weight_K, limit)
+        return y if shared is None else y + shared_expert(x_D, *shared, limit_shexp)
+    gate_exps, up_exps, down_exps = routed
+    gate, up, down = shared
+    x_r, idx_K, weight_K = island((jnp.asarray(x_D, jnp.float32), jnp.asarray(idx_K, jnp.int32),
+                                   jnp.asarray(weight_K, jnp.float32)))
+    x_s = island(jnp.asarray(x_D, jnp.float32))
+    (g_KF, u_KF), (g_F, u_F) = co_launch.products((co_launch.Experts(x_r, (gate_exps, up_exps), idx_K),
+                                                    co_launch.Dense(x_s, (gate, up))))
+    h_KF, h_F = swiglu(g_KF, u_KF, limit), swiglu(g_F, u_F, limit_shexp)
+    if not down_exps.rounds_activation:  # the routing weight before or after W_down, as `expert_outputs`
+        h_KF = h_KF * weight_K[:, None]
+    (y_KD,), (y_s,) = co_launch.products((co_launch.Experts(h_KF, (down_exps,), idx_K),
+                                          co_launch.Dense(h_F, (down,))))
+    if down_exps.rounds_activation:
+        y_KD = y_KD * weight_K[:, None]
+    return island(sum_experts(y_KD)) + island(y_s)
 
 
 def routed_experts_rows(x_TD: jax.Array, gate_exps, up_exps, down_exps, idx_TK: jax.Array, weight_TK: jax.Array,

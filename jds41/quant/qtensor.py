@@ -425,27 +425,70 @@ def _int8(w: QTensor) -> bool:
     return w.act_round == "int8" and w.qtype in INT8_TYPES
 
 
+def _int8_round(x_XI: jax.Array, w: QTensor, interpret: bool):
+    """(q, d, crumbs) the dp4a kernel reads for `w`: x rounded to int8 blocks by quant/int8_round_kernel.py's one
+    launch (the same bits as `round_int8`), or with JDS41_INT8_ROUND_KERNEL=0 by XLA's three kernels; `crumbs`
+    whether q comes in Q2_K's crumb-major order (the round kernel writes it so)."""
+    crumbs = w.qtype == GGMLQuantizationType.Q2_K and int8_round_kernel.ENABLED
+    if int8_round_kernel.ENABLED:
+        q, d = int8_round_kernel.round_int8_rows(x_XI, crumb_major=crumbs, interpret=interpret)
+    else:
+        q, d = round_int8(x_XI)
+    return q, d, crumbs
+
+
 def _int8_rows_matvec(x_XI: jax.Array, w: QTensor, raw_EOR: jax.Array, idx_K: jax.Array, tile=None) -> jax.Array:
     """The one-token product of "int8" numerics: x [1 or K, I] rounded to int8 blocks, then the integer dot product
-    of quant/int8_act.py, by the dp4a kernel on CUDA (quant/triton_int8.py) where it takes the rows, else by XLA.
-    Where the kernel runs, x is rounded by quant/int8_round_kernel.py's one launch (the same bits as `round_int8`),
-    or with JDS41_INT8_ROUND_KERNEL=0 by XLA's three kernels."""
+    of quant/int8_act.py, by the dp4a kernel on CUDA (quant/triton_int8.py) where it takes the rows, else by XLA
+    (`_int8_round` says how the kernel's x is rounded)."""
     def xla(x, raw, idx):
         q, d = round_int8(x)
         return _each(raw, lambda r: xla_int8_rows_matvec(q, d, r, idx, w.qtype, w.layout))
 
     if not triton_int8.supported(w.qtype, w.nbytes, w.layout):
         return xla(x_XI, raw_EOR, idx_K)
-    crumbs = w.qtype == GGMLQuantizationType.Q2_K and int8_round_kernel.ENABLED  # the kernel writes Q2_K's order
 
     def kernel(x, raw, idx, interpret=False):
-        if int8_round_kernel.ENABLED:
-            q, d = int8_round_kernel.round_int8_rows(x, crumb_major=crumbs, interpret=interpret)
-        else:
-            q, d = round_int8(x)
+        q, d, crumbs = _int8_round(x, w, interpret)
         return triton_int8.rows_matvec_int8(q, d, raw, idx, w.qtype, w.layout, interpret=interpret, tile=tile,
                                             q_crumb_major=crumbs)
 
     if triton_matvec.INTERPRET:
         return kernel(x_XI, raw_EOR, idx_K, interpret=True)
     return lax.platform_dependent(x_XI, raw_EOR, idx_K, cuda=kernel, default=xla)
+
+
+# What quant/co_launch.py asks of the products above: whether a product runs as a kernel, its tile, and its Job.
+
+
+def rows_as_dots_active() -> bool:
+    """Whether the products are being traced as `dot`s (`rows_as_dots`)."""
+    return _ROWS_AS_DOTS.get()
+
+
+def kernel_job_applies(ws: tuple[QTensor, ...]) -> bool:
+    """Whether the one-token products of `ws` (with one x) are one kernel launch on CUDA: they `share_a_launch`
+    and their format, layout and size have a kernel (the dp4a kernel for "int8" two-bit weights, else the f32
+    one)."""
+    w = ws[0]
+    if not share_a_launch(ws):
+        return False
+    return triton_int8.supported(w.qtype, w.nbytes, w.layout) if _int8(w) else _kernel_applies(w)
+
+
+def kernel_tile(w: QTensor, K: int) -> tuple[int, int, int, int]:
+    """The kernel's tile (BO, NB, warps, splits) for K products with `w`'s rows (its shape's, as every path's)."""
+    return triton_matvec.default_tile(w.qtype, K, w.data.shape[-2], w.n_cols)
+
+
+def kernel_job(x_XI: jax.Array, ws: tuple[QTensor, ...], raws: tuple, idx_K: jax.Array, tile_k: int | None,
+               interpret: bool) -> triton_matvec.Job:
+    """The kernel `Job` of the products of `ws` (raw stacks `raws` [E, O, R], one x [1 or K, I], indices idx_K)
+    that `qmatvec_parts` / `qmatvec_experts_parts` launch where `kernel_job_applies`: the same x (rounded as they
+    round it), tile and step functions."""
+    w, raws = ws[0], _one_or_tuple(raws)
+    tile = None if tile_k is None else kernel_tile(w, tile_k)
+    if _int8(w):
+        q, d, crumbs = _int8_round(x_XI, w, interpret)
+        return triton_int8.int8_job(q, d, raws, idx_K, w.qtype, w.layout, interpret, tile, q_crumb_major=crumbs)
+    return triton_matvec.matvec_job(_act(x_XI, w), raws, idx_K, w.qtype, w.layout, tile)

@@ -177,6 +177,26 @@ MEASURED_TILES = {
 } if os.environ.get("JDS41_MEASURED_TILES", "1") != "0" else {}
 
 
+def _tiles_from(text: str) -> dict:
+    """JDS41_TILES' "TYPE:K:O:I=BO,NB,WARPS,SPLITS;..." as MEASURED_TILES entries, or a ValueError saying what it
+    expected."""
+    out = {}
+    for item in filter(None, text.split(";")):
+        shape, _, tile = item.partition("=")
+        name, *dims = shape.split(":")
+        numbers = [*dims, *tile.split(",")]
+        if len(dims) != 3 or len(numbers) != 7 or not all(v.isdigit() and int(v) > 0 for v in numbers):
+            raise ValueError(f"JDS41_TILES: {item!r} is not TYPE:K:O:I=BO,NB,WARPS,SPLITS of positive integers")
+        out[(_kernel_type(name, "JDS41_TILES"), *map(int, dims))] = tuple(map(int, tile.split(",")))
+    return out
+
+
+# JDS41_TILES (read at import; for A/B benchmarks) adds or replaces measured tiles, e.g. the shared expert's gate/up
+# at 4 warps, which a co-launch with the routed experts' 4-warp gate/up needs (quant/co_launch.py):
+# JDS41_TILES="Q8_0:1:2304:5120=16,8,4,5".
+MEASURED_TILES.update(_tiles_from(os.environ.get("JDS41_TILES", "")))
+
+
 def default_tile(qtype, K: int, n_out: int, n_in: int) -> tuple[int, int, int, int]:
     """(BO, NB, warps, splits) for K products of [n_out, n_in] rows (the module's tile rule, or the measured tile of
     that shape; a function of the shape only)."""
@@ -490,7 +510,7 @@ class Job:
         K, cols, splits = self.grid
         return jax.ShapeDtypeStruct((splits, K, cols * self.tile[0]), jnp.float32)
 
-    def spec(self) -> "Job":
+    def spec(self) -> Job:
         """This job with its arrays replaced by their shapes: what a kernel body may close over (it reads only
         shapes, the tile and the step functions; the values come through the refs)."""
         shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
