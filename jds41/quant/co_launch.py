@@ -14,6 +14,11 @@ against separate launches). The jobs' programs are interleaved in proportion to 
 job's programs are spread over the whole launch rather than queued behind another's. The jobs must share a warp
 count (a Triton launch has one); `products` falls back to separate launches where they do not.
 
+Decode uses it in two places (each keeps its separate form as the reference, and the other paths, prompt pieces,
+verify rows and tiered experts, compute separately, so the engine's equalities check these bits): a layer's FFN
+(`moe.routed_and_shared`: the routed and shared gate/up products, then the two down products) and its attention
+input (`attention.query_and_latent`: W_qb's product, 20 us, beside W_kv's, 3 us, which needs only h).
+
 `products(requests)` is the qtensor-level entry: each request a tuple of products of one x (`Dense` or `Experts`),
 all computed by one launch where `ENABLED` (JDS41_CO_LAUNCH=1, read at import: for the A/B; off by default until
 a GPU run says it pays) and every product is a kernel's, else by qtensor's own functions.
