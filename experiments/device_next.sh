@@ -53,10 +53,11 @@
 #                                             # suspect since: side_stream.inline_calls); run the small probe first
 #                                             # (python3 experiments/probe_side_stream.py --out ..., ~2 min)
 #   bash experiments/device_next.sh co-launch # the routed and shared experts' products in shared launches
-#                                             # (JDS41_CO_LAUNCH, quant/co_launch.py; the same bits): its GPU
-#                                             # tests, then decode ABAB of the defaults, co-launch with the shared
-#                                             # gate/up at 4 warps (JDS41_TILES: one warp count a launch), and
-#                                             # that tile alone, a profile an arm (decode-ab), ~9 min
+#                                             # (quant/co_launch.py, the default since 47db046's run on an H100:
+#                                             # 766.0, 750.3 against 746.0, 746.4 tok/s, the same bits): its GPU
+#                                             # tests, then decode ABAB of the defaults against JDS41_CO_LAUNCH=0
+#                                             # and against that with the shared gate/up at its sweep's 8 warps
+#                                             # (the tile before 47db046), a profile an arm (decode-ab), ~9 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
@@ -186,8 +187,7 @@ case "${1:-}" in
   co-launch)
     python3 -m pytest -q -m gpu tests/test_co_launch.py -p no:cacheprovider > "$OUT/co_launch_gpu_tests.txt" 2>&1 || true
     tail -3 "$OUT/co_launch_gpu_tests.txt"
-    shexp4="JDS41_TILES=Q8_0:1:2304:5120=16,8,4,5"
-    AB_ON="JDS41_CO_LAUNCH=1 $shexp4" AB_ON2="$shexp4" bash "$0" decode-ab ;;
+    AB_ON="JDS41_CO_LAUNCH=0" AB_ON2="JDS41_CO_LAUNCH=0 JDS41_TILES=Q8_0:1:2304:5120=16,8,8,5" bash "$0" decode-ab ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")

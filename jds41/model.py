@@ -143,8 +143,8 @@ def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_
     cfg = plan.cfg
     freqs = jnp.asarray(layer_rope_freqs(cfg, lp.index))
     st = dict(st_all[lp.index])
-    q, qr, kv = attention.query_and_latent(cfg, w, h_D, pos, freqs)  # one launch of W_qb and W_kv where switched on
-    st["ring"] = attention.push_ring(st["ring"], kv, pos)
+    q, qr = attention.query(cfg, w, h_D)
+    st["ring"] = attention.push_ring(st["ring"], attention.latent(cfg, w, h_D, pos, freqs), pos)
     win_kv, win_valid = attention.window_rows(st["ring"], cfg.window, pos)
     keys, valid = [win_kv], [win_valid]
     if lp.cmp is not None:

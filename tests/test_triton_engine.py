@@ -10,8 +10,8 @@ reference path): the same logits to f32 rounding, and not the same bits (the ker
 case runs the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1) under the same promises, and
 the "mhc" case the sublayer inputs' kernels (layers/mhc_input_kernel.py, the default on CUDA; the other cases
 set JDS41_MHC_KERNEL=0), and the "co_launch" case the routed and shared experts' products in shared launches
-(quant/co_launch.py, JDS41_CO_LAUNCH=1: decode's layers co-launch, the tiered and verify paths do not, so their
-equalities check the co-launch's bits).
+(quant/co_launch.py, the default on CUDA, off in the other cases: decode's layers co-launch, the tiered and verify
+paths do not, so their equalities check the co-launch's bits).
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ print(json.dumps(res))
 
 # "attention": the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1), vmapped at width 4;
 # "mhc": the sublayer inputs' kernels too (layers/mhc_input_kernel.py; the default on CUDA, off in the others);
-# "co_launch": the routed and shared experts' products in shared launches (quant/co_launch.py, JDS41_CO_LAUNCH=1)
+# "co_launch": the routed and shared experts' products in shared launches (quant/co_launch.py, the default on CUDA;
+# the other cases set JDS41_CO_LAUNCH=0)
 @pytest.mark.parametrize("kernels", ["products", "attention", "mhc", "co_launch"])
 def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
     model = str(synthetic_model("deepseek41", "tiny", "mxfp4", draft_stages=2))

@@ -26,7 +26,7 @@ from jds41.layers import attention_kernel
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
 from jds41.layers.side_stream import on_side_stream
-from jds41.quant import co_launch, qmatvec, qmatvec_experts
+from jds41.quant import qmatvec, qmatvec_experts
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -59,20 +59,6 @@ def latent(cfg: ModelConfig, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax
         return apply_rope(rms_norm(qmatvec(h_D, kv_w), norm_w, cfg.rms_eps), pos, freqs)
 
     return on_side_stream("latent", body, h_D, w["attn_kv"], w["attn_kv_a_norm"], pos, freqs)
-
-
-def query_and_latent(cfg: ModelConfig, w: dict, h_D: jax.Array, pos: jax.Array,
-                     freqs: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(q, qr) of `query` and the latent of `latent`, the same bits. Where quant/co_launch.py is switched on
-    (JDS41_CO_LAUNCH=1) and both are kernels' products, W_qb's product (V4.1: 20 us a layer on an H100) and
-    W_kv's (3 us, which needs only h) are one launch, so the small one runs beside the large one."""
-    if not co_launch.ENABLED:
-        q, qr = query(cfg, w, h_D)
-        return q, qr, latent(cfg, w, h_D, pos, freqs)
-    qr = rms_norm(qmatvec(h_D, w["attn_q_a"]), w["attn_q_a_norm"], cfg.rms_eps)
-    (q,), (kv,) = co_launch.products((co_launch.Dense(qr, (w["attn_q_b"],)), co_launch.Dense(h_D, (w["attn_kv"],))))
-    kv = apply_rope(rms_norm(kv, w["attn_kv_a_norm"], cfg.rms_eps), pos, freqs)
-    return q.reshape(cfg.n_heads, cfg.head_dim), qr, kv
 
 
 def push_ring(ring: dict, kv: jax.Array, pos: jax.Array) -> dict:

@@ -90,11 +90,11 @@ def shared_expert(x_D: jax.Array, gate, up, down, limit) -> jax.Array:
 def routed_and_shared(x_D: jax.Array, routed: tuple, idx_K: jax.Array, weight_K: jax.Array, limit,
                       shared: tuple | None, limit_shexp) -> jax.Array:
     """`routed_experts(x_D, *routed, idx_K, weight_K, limit) + shared_expert(x_D, *shared, limit_shexp)` (the shared
-    term left out where `shared` is None), the same bits. Where quant/co_launch.py is switched on
-    (JDS41_CO_LAUNCH=1) and every product is a kernel's, the routed and shared gate/up products are one launch
-    and the two down products another: the shared expert's bandwidth-bound Q8_0 programs then run beside the
-    routed experts' instruction-bound two-bit ones instead of after them. The values around the launches are the
-    separate functions' own ops in their own islands."""
+    term left out where `shared` is None), the same bits. Where quant/co_launch.py is on (the default on CUDA;
+    JDS41_CO_LAUNCH=0 turns it off) and every product is a kernel's, the routed and shared gate/up products are
+    one launch and the two down products another: the shared expert's bandwidth-bound Q8_0 programs then run
+    beside the routed experts' instruction-bound two-bit ones instead of after them. The values around the
+    launches are the separate functions' own ops in their own islands."""
     if shared is None or not co_launch.ENABLED:
         y = routed_experts(x_D, *routed, idx_K, weight_K, limit)
         return y if shared is None else y + shared_expert(x_D, *shared, limit_shexp)

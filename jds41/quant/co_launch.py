@@ -2,26 +2,31 @@
 
 Why: a V4.1 layer's routed products (IQ2_XXS gate/up 36.5 us, Q2_K down 22.5 us a token on an H100) are
 instruction-bound at ~1 TB/s, and the shared expert's Q8_0 products (13.1 + 8.4 us, bandwidth-bound at ~1.5-1.9
-TB/s) run after them on the same stream (results/profile_decode_attn_dot39_v41_4L_h100.jsonl). Nothing orders the
+TB/s) ran after them on the same stream (results/profile_decode_attn_dot39_v41_4L_h100.jsonl). Nothing orders the
 shared expert after the routed ones but the stream. One grid holding both lets an SM keep programs of each
-resident, so the shared expert's loads can proceed while the routed steps compute. (XLA's second stream,
+resident, so the shared expert's loads proceed while the routed steps compute. (XLA's second stream,
 layers/side_stream.py, is the general form of the same idea; it has not compiled in the engine.)
+
+Measured (H100, experiments/README.md, fortieth session): gate/up 45.5 us a call against 36.7 + 14.1 apart, down
+29.7 against 22.6 + 8.6, 12 fewer launches and ~20 us less kernel time a 4-layer token; decode 766.0 and 750.3
+tok/s against the defaults' 746.0 and 746.4, the same predictions. Putting W_kv's product (3.2 us) beside W_qb's
+(20.8) took 24.6 us against 24.0 apart, so attention keeps its two launches.
 
 Owns `co_launch(jobs, interpret)`: the `triton_matvec.Job`s as one `pallas_call` over a 1-D grid, each program
 running one program of one job with that job's own body (`triton_matvec.program`), so every row's arithmetic is
 the one its job's own launch gives (the same tile, warps, steps and sums; tests/test_co_launch.py checks the bits
-against separate launches). The jobs' programs are interleaved in proportion to their counts (`order`), so each
-job's programs are spread over the whole launch rather than queued behind another's. The jobs must share a warp
-count (a Triton launch has one); `products` falls back to separate launches where they do not.
+against separate launches, in the interpreter and compiled on the GPU). The jobs' programs are interleaved in
+proportion to their counts (`order`), so each job's programs are spread over the whole launch rather than queued
+behind another's. The jobs must share a warp count (a Triton launch has one; the shared expert's gate/up tile has
+4 warps for this); `products` falls back to separate launches where they do not.
 
-Decode uses it in two places (each keeps its separate form as the reference, and the other paths, prompt pieces,
-verify rows and tiered experts, compute separately, so the engine's equalities check these bits): a layer's FFN
-(`moe.routed_and_shared`: the routed and shared gate/up products, then the two down products) and its attention
-input (`attention.query_and_latent`: W_qb's product, 20 us, beside W_kv's, 3 us, which needs only h).
+Decode uses it in a layer's FFN (`moe.routed_and_shared`: the routed and shared gate/up products, then the two
+down products); it keeps the separate functions as the reference, and the other paths (prompt pieces, verify rows,
+tiered experts) compute separately, so the engine's equalities check these bits.
 
 `products(requests)` is the qtensor-level entry: each request a tuple of products of one x (`Dense` or `Experts`),
-all computed by one launch where `ENABLED` (JDS41_CO_LAUNCH=1, read at import: for the A/B; off by default until
-a GPU run says it pays) and every product is a kernel's, else by qtensor's own functions.
+all computed by one launch where `ENABLED` (JDS41_CO_LAUNCH, read at import; "0" launches each request alone, for
+A/B runs) and every product is a kernel's, else by qtensor's own functions.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from jax.experimental import pallas as pl
 from jds41.quant import qtensor
 from jds41.quant import triton_matvec as tm
 
-ENABLED = os.environ.get("JDS41_CO_LAUNCH", "0") == "1"
+ENABLED = os.environ.get("JDS41_CO_LAUNCH", "1") == "1"
 
 
 def order(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
