@@ -60,7 +60,9 @@
 #                                             # (the tile before 47db046), a profile an arm (decode-ab), ~9 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
-#                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min
+#                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min;
+#                                             # V4_ON="JDS41_CO_LAUNCH=0" A/Bs the co-launch, the default there
+#                                             # too since 6469745 (MXFP4 beside Q8_0) but not yet timed on V4
 #     V4_ON's assignments are split at spaces, so no value can hold one. Run at e8e7bb3 on an H100 with
 #     V4_ON="XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,\
 #     DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL": 456.0 against 450.8 tok/s, the same predictions

@@ -184,12 +184,20 @@ def test_lowered_for_cuda_the_requests_are_one_triton_call_with_the_switch_on(mo
 
 
 # V4.1's shapes: the routed gate/up (IQ2_XXS int8, 6 of 8 experts, x shared) with the shared expert's (Q8_0 f32),
-# and the routed down (Q2_K int8, an x an expert) with the shared expert's down (Q8_0 f32)
+# and the routed down (Q2_K int8, an x an expert) with the shared expert's down (Q8_0 f32); V4-Flash's gate/up
+# (MXFP4 f32 beside Q8_0 f32, [2048, 4096]; not yet run on a GPU)
 @pytest.mark.gpu
-@pytest.mark.parametrize("pair", ["gate_up", "down"])
+@pytest.mark.parametrize("pair", ["gate_up", "down", "v4_gate_up"])
 def test_the_compiled_co_launch_gives_each_job_its_own_bits_on_the_gpu(pair):
     rng = np.random.default_rng(9)
-    if pair == "gate_up":
+    if pair == "v4_gate_up":
+        (_, g), (_, u) = _rows(rng, T.MXFP4, (8, 2048, 4096)), _rows(rng, T.MXFP4, (8, 2048, 4096))
+        (_, gs), (_, us) = _rows(rng, T.Q8_0, (1, 2048, 4096)), _rows(rng, T.Q8_0, (1, 2048, 4096))
+        x = jnp.asarray(rng.standard_normal((1, 4096)), jnp.float32)
+        idx = jnp.asarray(rng.integers(0, 8, 6), jnp.int32)
+        jobs = lambda: (triton_matvec.matvec_job(x, (g, u), idx, T.MXFP4, "planar"),  # noqa: E731
+                        triton_matvec.matvec_job(x, (gs, us), jnp.zeros(1, jnp.int32), T.Q8_0, "planar"))
+    elif pair == "gate_up":
         (_, g), (_, u) = _rows(rng, T.IQ2_XXS, (8, 2304, 5120)), _rows(rng, T.IQ2_XXS, (8, 2304, 5120))
         (_, gs), (_, us) = _rows(rng, T.Q8_0, (1, 2304, 5120)), _rows(rng, T.Q8_0, (1, 2304, 5120))
         x = jnp.asarray(rng.standard_normal((1, 5120)), jnp.float32)
