@@ -11,7 +11,9 @@ Owns `rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout) -> f32 [K, O]`: y[k, o] =
 over raw rows `raw[E, O, row_bytes]` (a whole stack, or the K rows a tier gathered) of one of KINDS: MXFP4 in the
 GGML layout (as in the file) or the planar one (what an engine with planar weights holds in every tier), Q8_0
 planar, IQ2_XXS and Q2_K in either layout; `supported(...)`, which says when it applies;
-`default_tile`, the tile rule; and `planar_weights()`, whether an engine regroups its resident weights for it.
+`default_tile`, the tile rule; `planar_weights()`, whether an engine regroups its resident weights for it; and a
+product's launch as a `Job` (`matvec_job`, `make_job`: inputs, step functions, tile, grid) with its one program body
+(`program`), which `launch` runs alone and quant/co_launch.py beside other jobs in one grid.
 `qtensor.qmatvec_experts` and `qtensor.qmatvec` call it on CUDA only (`lax.platform_dependent`); every other
 platform and format, and the `rows_as_dots` / `act_round` products, keep the XLA spelling, which stays the
 reference (tests/test_triton_matvec.py: the kernel in Pallas' interpreter on the CPU against a float64
