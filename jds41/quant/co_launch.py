@@ -86,9 +86,8 @@ def co_launch(jobs: tuple[tm.Job, ...], interpret: bool) -> tuple:
     warps = {job.tile[2] for job in jobs}
     if len(warps) != 1:
         raise ValueError(f"co_launch: the jobs' tiles ask for different warp counts {sorted(warps)}")
-    if interpret:  # as triton_matvec.launch: each job's arithmetic its own, not fused with its surroundings
-        jobs = tuple(dataclasses.replace(job, x=x, stacks=stacks) for job, (x, stacks) in
-                     zip(jobs, lax.optimization_barrier(tuple((job.x, job.stacks) for job in jobs))))
+    if interpret:
+        jobs = tm.interpreted(jobs)
     counts = tuple(int(np.prod(job.grid)) for job in jobs)
     job_of, local_of = order(counts)
     inputs = [job.inputs() for job in jobs]

@@ -599,15 +599,20 @@ def make_job(x_XI, raw_EOR, idx_K, extra, *, load, dot, prefetch: bool, tile, st
                one_stack=not isinstance(raw_EOR, tuple))
 
 
+def interpreted(jobs: tuple[Job, ...]) -> tuple[Job, ...]:
+    """`jobs` with their x and stacks passed through one optimization barrier, for a launch in Pallas' interpreter.
+    Interpreted, a kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two calls on one weight
+    could then share its decoded loads (CSE) and fuse, and so round, by their surroundings. The barrier keeps each
+    call's arithmetic its own, as the compiled Triton kernel's is on the GPU."""
+    barred = lax.optimization_barrier(tuple((job.x, job.stacks) for job in jobs))
+    return tuple(dataclasses.replace(job, x=x, stacks=stacks) for job, (x, stacks) in zip(jobs, barred))
+
+
 def launch(job: Job, interpret: bool):
     """`job` as one kernel launch on its (K, columns, splits) grid -> f32 [K, O] (a tuple for several stacks)."""
-    x, stacks = job.x, job.stacks
     params = None
-    if interpret:  # Interpreted, the kernel is XLA:CPU code inlined into the caller (loops of one trip vanish): two
-        # calls on one weight could then share its decoded loads (CSE) and fuse, and so round, by their surroundings.
-        # The barrier keeps each call's arithmetic its own, as the compiled Triton kernel's is on the GPU.
-        x, stacks = lax.optimization_barrier((x, stacks))
-        job = dataclasses.replace(job, x=x, stacks=stacks)
+    if interpret:
+        (job,) = interpreted((job,))
     else:
         params = compiler_params(job.tile[2])
     bo = job.tile[0]
