@@ -58,6 +58,10 @@
 #                                             # tests, then decode ABAB of the defaults against JDS41_CO_LAUNCH=0
 #                                             # and against that with the shared gate/up at its sweep's 8 warps
 #                                             # (the tile before 47db046), a profile an arm (decode-ab), ~9 min
+#   bash experiments/device_next.sh iq2-signs # IQ2_XXS's sign bytes from the index's parity (one popc) against the
+#                                             # 128-byte table (JDS41_INT8_IQ2_SIGNS=parity, quant/triton_int8.py):
+#                                             # its GPU bit test, the gate/up product alone in each form, then
+#                                             # decode ABAB and a profile an arm (decode-ab), ~8 min
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min;
@@ -190,6 +194,16 @@ case "${1:-}" in
     python3 -m pytest -q -m gpu tests/test_co_launch.py -p no:cacheprovider > "$OUT/co_launch_gpu_tests.txt" 2>&1 || true
     tail -3 "$OUT/co_launch_gpu_tests.txt"
     AB_ON="JDS41_CO_LAUNCH=0" AB_ON2="JDS41_CO_LAUNCH=0 JDS41_TILES=Q8_0:1:2304:5120=16,8,8,5" bash "$0" decode-ab ;;
+  iq2-signs)  # IQ2_XXS's sign bytes computed (JDS41_INT8_IQ2_SIGNS=parity) against looked up: GPU bit test, the
+    # gate/up product alone in each form, then decode ABAB (decode-ab)
+    python3 -m pytest -q -m gpu tests/test_int8_numerics.py -k sign_forms -p no:cacheprovider \
+      > "$OUT/iq2_signs_gpu_tests.txt" 2>&1 || true
+    tail -3 "$OUT/iq2_signs_gpu_tests.txt"
+    for form in table parity; do
+      JDS41_INT8_IQ2_SIGNS=$form python3 experiments/bench_kernels.py --shapes v41-experts-gate-up \
+        --out "$OUT/bench_kernels_iq2_signs.jsonl" || true
+    done
+    AB_ON="JDS41_INT8_IQ2_SIGNS=parity" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-300} bash "$0" decode-ab ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --out "$OUT/bench_decode_v4_8L_h200.jsonl")
@@ -198,6 +212,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|iq2-signs|v4" >&2
     exit 2 ;;
 esac

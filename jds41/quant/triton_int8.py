@@ -53,6 +53,10 @@ KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar"
 # Q8_0's step: "packs" (dp4a over a thread's packs of four loaded bytes) or "words" (bytes assembled into words
 # first); read at import, for A/B measurements
 _Q8_0_FORM = os.environ.get("JDS41_INT8_Q8_0_FORM", "packs")
+# IQ2_XXS's sign bytes: "table" looks each up in the 128-byte table, "parity" computes ggml's bit 7 (the parity
+# of the seven stored bits) by one population count, so an octet makes one gather (the grid's) instead of two;
+# read at import, for the A/B (the same bytes either way)
+_IQ2_SIGNS = os.environ.get("JDS41_INT8_IQ2_SIGNS", "table")
 _BYTE_ONES = np.int32(0x01010101)
 # prmt's eight source bytes (first word bytes 0-3, second 4-7): the grid magnitudes 8, 25, 43 at bytes 0-2 and their
 # negatives at bytes 4-6, so selector nibble code + 4 * negative picks a value's signed byte
@@ -144,12 +148,19 @@ def _nibble_signs(s):
     return ((t | (t << 3)) & 0x11111111) << 2
 
 
-def _octets(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a, prmt):
-    """The octets' integer dot products from the packed grid (2-bit codes) and sign bytes: each value's selector
-    nibble is its code plus 4 where negative, prmt picks its signed byte from `_SIGNED_MAGNITUDES`, and the octet is
-    two dp4a of those ready signed words."""
+def _parity_sign_bytes(s7):
+    """Seven-bit sign indices -> ggml's sign bytes: bit 7 set where the seven bits hold an odd count (the octet's
+    signs have even parity), as IQ2XXS_SIGN_BYTES holds them."""
+    return s7 | ((lax.population_count(s7) & 1) << 7)
+
+
+def _octets(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a, prmt, signs=_IQ2_SIGNS):
+    """The octets' integer dot products from the packed grid (2-bit codes) and sign bytes (`signs`: looked up in
+    signs_ref or computed, `_IQ2_SIGNS`): each value's selector nibble is its code plus 4 where negative, prmt picks
+    its signed byte from `_SIGNED_MAGNITUDES`, and the octet is two dp4a of those ready signed words."""
     p = codes_ref[idx].astype(jnp.int32)  # [BO, NB, 8, 4]: value k's code at bits 2k
-    sel = _nibble_codes(p) | _nibble_signs(signs_ref[s7].astype(jnp.int32))
+    sign_bytes = _parity_sign_bytes(s7) if signs == "parity" else signs_ref[s7].astype(jnp.int32)
+    sel = _nibble_codes(p) | _nibble_signs(sign_bytes)
     lo, hi = (jnp.full(p.shape, v, jnp.int32) for v in _SIGNED_MAGNITUDES)
     # sel's top nibble is at most 6, so the arithmetic shift brings values 4-7's selectors down as they are
     return dp4a(prmt(lo, hi, sel >> 16), xh, dp4a(prmt(lo, hi, sel), xl, jnp.zeros_like(p)))
@@ -260,7 +271,8 @@ def int8_job(q_XI: jax.Array, d_XC: jax.Array, raw_EOR, idx_K: jax.Array, qtype,
     x_in = None  # x as the step reads it: words of four values unless set
     if qtype == T.IQ2_XXS:
         load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
-        octets = functools.partial(_octets, dp4a=dp4a, prmt=_prmt_plain if interpret else _prmt_asm)
+        octets = functools.partial(_octets, dp4a=dp4a, prmt=_prmt_plain if interpret else _prmt_asm,
+                                   signs=_IQ2_SIGNS)
         dot = functools.partial(_dot_iq2_xxs_int8, octets=octets)
         extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
     elif qtype == T.Q8_0 and _Q8_0_FORM == "packs":
