@@ -99,6 +99,65 @@ def test_prmt_spelled_in_shifts_is_ptxs_byte_permute():
     np.testing.assert_array_equal(got, _numpy_prmt(a, b, c))
 
 
+def _run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Execute the straight-line PTX of an inline-assembly block over numpy uint32 lanes: the opcodes the MXFP4
+    step uses (mov, and, or, shr.u32, prmt.b32 in its default mode as `_numpy_prmt`, dp4a.s32.s32), registers by
+    name ($0..$n and declared ones), immediates in hex or decimal. Anything else fails the test."""
+    regs = {k: np.asarray(v).astype(np.int64).astype(np.uint32) for k, v in inputs.items()}
+
+    def val(tok):
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    def signed_bytes(w):
+        return np.asarray(w, np.uint32).astype("<u4").view(np.int8).reshape(-1, 4).astype(np.int64)
+
+    for ins in (i.strip() for i in asm.strip().strip("{}").split(";")):
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        dst, *src = (a.strip() for a in args.split(","))
+        n = len(next(iter(inputs.values())))
+        a = [np.broadcast_to(val(t), (n,)).astype(np.uint32) for t in src]
+        if op == "mov.b32":
+            out = a[0]
+        elif op == "and.b32":
+            out = a[0] & a[1]
+        elif op == "or.b32":
+            out = a[0] | a[1]
+        elif op == "shr.u32":
+            out = a[0] >> a[1]
+        elif op == "prmt.b32":
+            out = _numpy_prmt(a[0].view(np.int32), a[1].view(np.int32), a[2].view(np.int32)).view(np.uint32)
+        elif op == "dp4a.s32.s32":
+            dot = (signed_bytes(a[0]) * signed_bytes(a[1])).sum(axis=1)
+            out = (dot + a[2].view(np.int32).astype(np.int64)).astype(np.int32).view(np.uint32)
+        else:
+            raise AssertionError(f"opcode {op} is not one this test executes")
+        regs[dst] = np.array(out, np.uint32)
+    return regs
+
+
+def test_the_mxfp4_pack_assembly_gives_gguf_pys_integers():
+    """The MXFP4 step's inline assembly (`_MXFP4_PACK_ASM`), executed instruction by instruction in numpy, against
+    gguf-py's dequantized values (a block with scale exponent 128 dequantizes to ggml's doubled integers): every
+    byte value at every position of a pack, with random x; the other three outputs are 0."""
+    rng = np.random.default_rng(12)
+    block = np.zeros((256, 17), np.uint8)
+    block[:, 0], block[:, 1] = 128, np.arange(256)
+    integers = gguf.quants.dequantize(block, T.MXFP4)[:, [0, 16]].astype(np.int64)  # [byte, (low, high)]
+    words = np.concatenate([np.repeat(np.arange(256, dtype=np.uint32), 4) * np.uint32(0x01010101),
+                            rng.integers(0, 1 << 32, 4096, dtype=np.uint64).astype(np.uint32)])
+    x_lo, x_hi = (rng.integers(-127, 128, (len(words), 4)).astype(np.int8) for _ in range(2))
+    regs = _run_ptx(triton_int8._MXFP4_PACK_ASM, {"$4": words, "$5": x_lo.view("<u4")[:, 0],
+                                                  "$6": x_hi.view("<u4")[:, 0]})
+    q = words.astype("<u4").view(np.uint8).reshape(-1, 4)
+    want = (integers[q, 0] * x_lo + integers[q, 1] * x_hi).sum(axis=1)
+    np.testing.assert_array_equal(regs["$0"].view(np.int32), want)
+    assert all((regs[f"${k}"] == 0).all() for k in (1, 2, 3))
+    plain = np.asarray(triton_int8._mxfp4_packs_plain(jnp.asarray(q), jnp.asarray(x_lo), jnp.asarray(x_hi)))
+    np.testing.assert_array_equal(plain.sum(axis=1), want)
+
+
 @pytest.mark.parametrize("signs", ["table", "parity"])
 def test_every_grid_entry_and_sign_index_gives_gguf_pys_signed_octet(signs):
     """The IQ2_XXS octet step (`_octets`: codes and sign bits to selector nibbles, signed bytes picked by byte
@@ -142,7 +201,7 @@ def test_both_iq2_xxs_sign_forms_give_the_same_bits(monkeypatch, layout):
     assert _rel(got["parity"], _reference(x, raw, idx, T.IQ2_XXS)) < 1e-6
 
 
-@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K, T.Q8_0])
+@pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K, T.Q8_0, T.MXFP4])
 @pytest.mark.parametrize("layout", ["ggml", "planar"])
 def test_the_xla_integer_product_equals_a_float64_reference(qtype, layout):
     rng = np.random.default_rng(2)
@@ -188,7 +247,7 @@ def test_both_q8_0_kernel_forms_equal_the_reference_and_each_other(monkeypatch, 
     assert _rel(got["packs"], _reference(x, raw, idx, T.Q8_0)) < 1e-6
 
 
-def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda(monkeypatch):
+def test_only_the_expert_formats_round_and_take_the_int8_kernel_on_cuda(monkeypatch):
     rng = np.random.default_rng(4)
     x, idx = jnp.ones(512, jnp.float32), jnp.arange(3, dtype=jnp.int32)
 
@@ -199,13 +258,13 @@ def test_only_the_two_bit_products_round_and_take_the_int8_kernel_on_cuda(monkey
     iq2 = random_quantized(rng, T.IQ2_XXS, (8, 32, 512))
     assert "rows_matvec_int8_iq2_xxs" in lowered(QTensor.from_raw(iq2, T.IQ2_XXS, (8, 32, 512), act_round="int8"))
     assert "rows_matvec_int8" not in lowered(QTensor.from_raw(iq2, T.IQ2_XXS, (8, 32, 512)))
-    mx = random_quantized(rng, T.MXFP4, (8, 32, 512))  # not a two-bit format: the f32 kernel, x as is
-    text = lowered(QTensor.from_raw(mx, T.MXFP4, (8, 32, 512), act_round="int8"))
-    assert TRITON_CALL in text and "rows_matvec_int8" not in text
+    mx = random_quantized(rng, T.MXFP4, (8, 32, 512))  # V4-Flash's experts: rounded too, the integer product
+    assert "rows_matvec_int8_mxfp4" in lowered(QTensor.from_raw(mx, T.MXFP4, (8, 32, 512), act_round="int8"))
+    assert "rows_matvec_int8" not in lowered(QTensor.from_raw(mx, T.MXFP4, (8, 32, 512)))
     xs = jnp.asarray(rng.standard_normal(512), jnp.float32)
-    rounded = qmatvec_experts(xs, QTensor.from_raw(mx, T.MXFP4, (8, 32, 512), act_round="int8"), idx)
-    np.testing.assert_array_equal(np.asarray(rounded), np.asarray(qmatvec_experts(xs, QTensor.from_raw(
-        mx, T.MXFP4, (8, 32, 512)), idx)))
+    rounded = np.asarray(qmatvec_experts(xs, QTensor.from_raw(mx, T.MXFP4, (8, 32, 512), act_round="int8"), idx))
+    plain = np.asarray(qmatvec_experts(xs, QTensor.from_raw(mx, T.MXFP4, (8, 32, 512)), idx))
+    assert not np.array_equal(rounded, plain) and _rel(rounded, plain.astype(np.float64)) < 3e-2
     # Q8_0 rounds only where the numerics is told to (JDS41_INT8_Q8_0=1 sets INT8_TYPES at import)
     q8_rows = random_quantized(rng, T.Q8_0, (8, 32, 512))
     q8 = QTensor.from_raw(q8_rows, T.Q8_0, (8, 32, 512), act_round="int8").with_layout(to_planar(q8_rows, T.Q8_0),
@@ -265,7 +324,8 @@ def test_drafting_under_int8_gives_int8_plain_decode(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("qtype,n_out,n_in,X", [(T.IQ2_XXS, 2304, 5120, 1), (T.Q2_K, 5120, 2304, 6),
-                                                (T.Q8_0, 5120, 8192, 1), (T.Q8_0, 1024, 4096, 6)])
+                                                (T.Q8_0, 5120, 8192, 1), (T.Q8_0, 1024, 4096, 6),
+                                                (T.MXFP4, 2048, 4096, 1), (T.MXFP4, 4096, 2048, 6)])
 def test_the_compiled_int8_kernel_agrees_with_the_xla_product_on_the_gpu(qtype, n_out, n_in, X):
     rng = np.random.default_rng(6)
     one = random_quantized(rng, qtype, (1, n_out, n_in))

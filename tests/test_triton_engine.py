@@ -11,7 +11,9 @@ case runs the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERN
 the "mhc" case the sublayer inputs' kernels (layers/mhc_input_kernel.py, the default on CUDA; the other cases
 set JDS41_MHC_KERNEL=0), and the "co_launch" case the routed and shared experts' products in shared launches
 (quant/co_launch.py, the default on CUDA, off in the other cases: decode's layers co-launch, the tiered and verify
-paths do not, so their equalities check the co-launch's bits).
+paths do not, so their equalities check the co-launch's bits). The "int8" case opens every engine with the int8
+numerics (quant/int8_act.py): the MXFP4 experts' products are then the dp4a kernel's (quant/triton_int8.py),
+co-launched beside the shared expert's f32 Q8_0 product, and the reference is the XLA engine with that numerics.
 """
 
 from __future__ import annotations
@@ -42,26 +44,26 @@ from jds41.engine import Engine
 from jds41.quant import triton_matvec
 from jds41.speculative import DSparkDrafter, SpeculativeSession
 
-model, profile, out = sys.argv[1:4]
+model, profile, out, numerics = sys.argv[1:5]
 toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
 from jds41.layers import attention_kernel, mhc_input_kernel
 from jds41.quant import co_launch
 res = {"interpret": triton_matvec.INTERPRET, "attention_kernel": attention_kernel.applies(32),
        "mhc_kernel": mhc_input_kernel.applies(4, 64, 24), "co_launch": co_launch.ENABLED}
-e = Engine.open(model, max_ctx=128, prefill_chunk=16)
+e = Engine.open(model, max_ctx=128, prefill_chunk=16, numerics=numerics)
 want = e.session().feed(toks, all_logits=True)
 np.save(out, want)
 gen = list(e.session().generate(toks, 8))
-tiered = Engine.open(model, max_ctx=128, prefill_chunk=16, profile=profile)
+tiered = Engine.open(model, max_ctx=128, prefill_chunk=16, profile=profile, numerics=numerics)
 res["tiered_logits_equal"] = bool(np.array_equal(tiered.session().feed(toks, all_logits=True), want))
 res["tiered_tokens_equal"] = list(tiered.session().generate(toks, 8)) == gen
 s = e.session()
 res["device_loop_equal"] = greedy_generate(s, int(np.argmax(s.feed(toks))), 8) == gen
 res["draft_equal"] = list(SpeculativeSession(e, DSparkDrafter.open(e, "self")).generate(toks, 8)) == gen
-w4 = Engine.open(model, max_ctx=128, prefill_chunk=16, decode_width=4)
+w4 = Engine.open(model, max_ctx=128, prefill_chunk=16, decode_width=4, numerics=numerics)
 plain4 = list(w4.session().generate(toks, 8))
 res["width4_draft_equal"] = list(SpeculativeSession(w4, DSparkDrafter.open(w4, "self")).generate(toks, 8)) == plain4
-wide = Engine.open(model, max_ctx=128, prefill_chunk=16, prompt_width=8)
+wide = Engine.open(model, max_ctx=128, prefill_chunk=16, prompt_width=8, numerics=numerics)
 whole = wide.session().feed(toks, all_logits=True)
 cut = wide.session()
 parts = [cut.feed(toks[:13], all_logits=True), cut.feed(toks[13:], all_logits=True)]
@@ -73,8 +75,8 @@ print(json.dumps(res))
 # "attention": the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1), vmapped at width 4;
 # "mhc": the sublayer inputs' kernels too (layers/mhc_input_kernel.py; the default on CUDA, off in the others);
 # "co_launch": the routed and shared experts' products in shared launches (quant/co_launch.py, the default on CUDA;
-# the other cases set JDS41_CO_LAUNCH=0)
-@pytest.mark.parametrize("kernels", ["products", "attention", "mhc", "co_launch"])
+# the other cases set JDS41_CO_LAUNCH=0); "int8": the int8 numerics, its MXFP4 products co-launched
+@pytest.mark.parametrize("kernels", ["products", "attention", "mhc", "co_launch", "int8"])
 def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
     model = str(synthetic_model("deepseek41", "tiny", "mxfp4", draft_stages=2))
     profile = tmp_path / "split3.json"
@@ -83,19 +85,20 @@ def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_p
     env = {**os.environ, "JDS41_TRITON": "interpret", "JAX_PLATFORMS": "cpu",
            "JDS41_ATTN_KERNEL": "1" if kernels == "attention" else "0",
            "JDS41_MHC_KERNEL": "1" if kernels == "mhc" else "0",
-           "JDS41_CO_LAUNCH": "1" if kernels == "co_launch" else "0",
+           "JDS41_CO_LAUNCH": "1" if kernels in ("co_launch", "int8") else "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", ENGINE_RUN, model, str(profile), str(out)], capture_output=True,
-                         text=True, env=env, cwd=ROOT, timeout=1100)
+    numerics = "int8" if kernels == "int8" else "jds41"
+    res = subprocess.run([sys.executable, "-c", ENGINE_RUN, model, str(profile), str(out), numerics],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1100)
     assert res.returncode == 0, res.stderr[-4000:]
     checks = json.loads(res.stdout.strip().splitlines()[-1])
     assert checks == {"interpret": True, "attention_kernel": kernels == "attention", "mhc_kernel": kernels == "mhc",
-                      "co_launch": kernels == "co_launch",
+                      "co_launch": kernels in ("co_launch", "int8"),
                       "tiered_logits_equal": True,
                       "tiered_tokens_equal": True, "device_loop_equal": True, "draft_equal": True,
                       "width4_draft_equal": True, "wide_cut_equal": True}, checks
     kernel = np.load(out)
     toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
-    xla = Engine.open(model, max_ctx=128, prefill_chunk=16).session().feed(toks, all_logits=True)
+    xla = Engine.open(model, max_ctx=128, prefill_chunk=16, numerics=numerics).session().feed(toks, all_logits=True)
     np.testing.assert_allclose(kernel, xla, rtol=0, atol=1e-5 * np.abs(xla).max())
     assert not np.array_equal(kernel, xla)  # the products (and attention) were the kernels', not XLA's

@@ -47,17 +47,19 @@ def swiglu(gate: jax.Array, up: jax.Array, limit) -> jax.Array:
 
 
 def expert_outputs(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Array, weight_K: jax.Array, limit,
-                   tile_k: int | None = None) -> jax.Array:
+                   tile_k: int | None = None, weigh_after_down: bool = True) -> jax.Array:
     """Each of the K routed experts' weighted output of one token, [K, D] f32 (not summed). `tile_k`: the K whose
     kernel tile every product uses (tiers compute a layer's K experts in pieces, owner by owner, and each piece
-    must sum in the order of the whole: quant/triton_matvec.default_tile); None = this call's K."""
+    must sum in the order of the whole: quant/triton_matvec.default_tile); None = this call's K.
+    `weigh_after_down` False leaves a weight that follows W_down to the caller (the tiers, below)."""
     # gate and up: one kernel launch on CUDA (JDS41_SHARED_LAUNCH=0 for two: quant/qtensor.py), the same bits either way
     g_KF, u_KF = qmatvec_experts_parts(x_D, (gate_exps, up_exps), idx_K, tile_k=tile_k)
     # llama.cpp (build_moe_ffn) scales by the routing weight AFTER W_down. Exact algebra makes the order moot, but
     # where W_down rounds its activation (Q8_0 rounds h, not weight*h) it is not: follow llama.cpp there.
     if not down_exps.rounds_activation:
         return qmatvec_experts(swiglu(g_KF, u_KF, limit) * weight_K[:, None], down_exps, idx_K, tile_k=tile_k)
-    return qmatvec_experts(swiglu(g_KF, u_KF, limit), down_exps, idx_K, tile_k=tile_k) * weight_K[:, None]
+    y_KD = qmatvec_experts(swiglu(g_KF, u_KF, limit), down_exps, idx_K, tile_k=tile_k)
+    return y_KD * weight_K[:, None] if weigh_after_down else y_KD
 
 
 def sum_experts(y_KD: jax.Array) -> jax.Array:

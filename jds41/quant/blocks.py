@@ -254,6 +254,15 @@ def _dec_iq2_xxs(b):
 # kv = m + max(m - 4, 0) + 2 * max(m - 6, 0).
 
 
+def mxfp4_half_scale(e):
+    """e8m0 bytes -> 2^(e - 128) as f32: the block scale halved, as ggml halves it for its doubled e2m1 integers
+    (the kernels' and the int8 product's factor), subnormals included (e < 2), assembled from bits so nothing
+    flushes."""
+    e = jnp.asarray(e).astype(jnp.int32)
+    bits = jnp.where(e >= 2, (e - 1) << 23, jnp.left_shift(jnp.int32(1), 21 + e))
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _dec_mxfp4(b):
     return mxfp4_values(*_split(b, 1, 16))
 

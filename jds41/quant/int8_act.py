@@ -1,6 +1,7 @@
 """The "int8" activation numerics: the two-bit formats' products read the activation rounded to int8 blocks of 32.
 
-What it is: before a product with IQ2_XXS or Q2_K weights (V4.1's routed experts), x is rounded per block of 32
+What it is: before a product with IQ2_XXS, Q2_K or MXFP4 weights (V4.1's and V4-Flash's routed experts), x is
+rounded per block of 32
 values to q * d, d = amax / 127 (f32), q = round-half-even(x * 127 / amax) in [-127, 127] (q = d = 0 for a zero
 block). llama.cpp's CUDA backend rounds the same way before its quantized matrix-vector products (q8_1 blocks of 32,
 whose d it stores as f16), and its CPU backend rounds these formats to Q8_K (blocks of 256). With JDS41_INT8_Q8_0=1
@@ -18,6 +19,7 @@ The product, per weight block b of 256 and activation block c of 32 (its 32 valu
   Q2_K     y += d_b * sum_j (dx_j * f32(sc_j * sum_16 code * q)) - dmin_b * sum_j (dx_j * f32(m_j * sum_16 q))
            over the 16 sub-blocks j of 16 values, dx_j the scale of the activation block holding j.
   Q8_0     y += d_b * (dx_b * f32(sum_32 w * q))                                 (blocks of 32: b = c)
+  MXFP4    y += 2^(e_b - 128) * (dx_b * f32(sum_32 w * q))   (w ggml's doubled e2m1 integer, -12..12; b = c)
 Integer sums are exact; the float sums run in a fixed order here (left to right, so a product's bits do not depend
 on its shape) and in the kernel's order on the GPU (quant/triton_int8.py), which agree to f32 rounding.
 """
@@ -32,13 +34,17 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from jax import lax
 
-from jds41.quant.blocks import _f16, iq2_xxs_integers
+from jds41.quant.blocks import _f16, iq2_xxs_integers, mxfp4_half_scale
 from jds41.quant.planar import _unpack_crumbs, block_parts
 
-PRODUCT_TYPES = frozenset({T.IQ2_XXS, T.Q2_K, T.Q8_0})  # the formats the integer product takes
-# the formats whose products the "int8" numerics rounds x for: the two-bit ones, and Q8_0 too with JDS41_INT8_Q8_0=1
-# (read at import; off until the GPU box has timed its kernel, experiments/device_next.sh)
-INT8_TYPES = PRODUCT_TYPES if os.environ.get("JDS41_INT8_Q8_0", "0") == "1" else frozenset({T.IQ2_XXS, T.Q2_K})
+PRODUCT_TYPES = frozenset({T.IQ2_XXS, T.Q2_K, T.MXFP4, T.Q8_0})  # the formats the integer product takes
+# the formats whose products the "int8" numerics rounds x for: the routed experts' (two-bit and MXFP4), and Q8_0
+# too with JDS41_INT8_Q8_0=1 (read at import; its own rounding launches cost what its faster products saved on an
+# H100, experiments/README.md, thirty-first session)
+INT8_TYPES = PRODUCT_TYPES if os.environ.get("JDS41_INT8_Q8_0", "0") == "1" else frozenset({T.IQ2_XXS, T.Q2_K,
+                                                                                             T.MXFP4})
+# ggml's MXFP4 values doubled (kvalues_mxfp4): nibble n is MXFP4_INTEGERS[n]; its scale is then halved
+MXFP4_INTEGERS = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int32)
 BLOCK = 32  # activation values per int8 block
 
 
@@ -93,6 +99,10 @@ def xla_int8_rows_matvec(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, i
         isum = jnp.sum(lax.bitcast_convert_type(quants, jnp.int8).astype(jnp.int32) * q.reshape(*q.shape[:2], nb, 32),
                        axis=-1)
         per_block = _f16(scales) * (dx * isum.astype(jnp.float32))
+    elif qtype == T.MXFP4:
+        nibbles = jnp.concatenate([quants & 15, quants >> 4], axis=-1).astype(jnp.int32)  # value j: byte j % 16
+        isum = jnp.sum(jnp.asarray(MXFP4_INTEGERS)[nibbles] * q.reshape(*q.shape[:2], nb, 32), axis=-1)
+        per_block = mxfp4_half_scale(scales[..., 0]) * (dx * isum.astype(jnp.float32))
     else:
         codes = _unpack_crumbs(quants).reshape(*quants.shape[:-1], 16, 16).astype(jnp.int32)  # [K, O, nb, 16, 16]
         sc = scales[..., :16].astype(jnp.int32)

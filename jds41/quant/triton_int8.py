@@ -45,11 +45,12 @@ from gguf import GGMLQuantizationType as T
 from jax import lax
 
 from jds41.quant import triton_matvec as tm
-from jds41.quant.blocks import IQ2XXS_PACKED_GRID
+from jds41.quant.blocks import IQ2XXS_PACKED_GRID, mxfp4_half_scale
 from jds41.quant.int8_act import BLOCK
 
 # (qtype, layout) pairs this kernel reads: what an engine with the kernels holds (planar), and IQ2_XXS as in the file
-KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar"), (T.Q8_0, "planar")})
+KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar"), (T.Q8_0, "planar"),
+                   (T.MXFP4, "ggml"), (T.MXFP4, "planar")})
 # Q8_0's step: "packs" (dp4a over a thread's packs of four loaded bytes) or "words" (bytes assembled into words
 # first); read at import, for A/B measurements
 _Q8_0_FORM = os.environ.get("JDS41_INT8_Q8_0_FORM", "packs")
@@ -108,6 +109,46 @@ def _dp4a_packs_asm(a, b):
 def _dp4a_packs_plain(a, b):
     """`_dp4a_packs_asm` summed over any whole blocks: the products themselves (the interpreter's spelling)."""
     return a.astype(jnp.int32) * b.astype(jnp.int32)
+
+
+# MXFP4's step, in one piece of assembly a pack of four quant bytes (`_mxfp4_packs_asm`): the 8 nibbles of the
+# packed word c are selectors. Magnitude nibbles (c & 0x7777...) pick each value's byte of ggml's doubled e2m1
+# integers from a positive and a negative table (prmt over two registers each), a third prmt keeps the negative
+# byte where the nibble's bit 3 is set (selector i + 4 * sign: bit 3 shifted to bit 2 over 0x3210), and two more
+# sort the bytes into the four low-nibble values (values j of the block) and the four high-nibble ones (j + 16),
+# each dotted with its x word by dp4a: 16 instructions for 8 values, no table in memory and no x permutation.
+_MXFP4_TABLES = "mov.b32 p0, 0x03020100; mov.b32 p1, 0x0C080604; mov.b32 n0, 0xFDFEFF00; mov.b32 n1, 0xF4F8FAFC;"
+_MXFP4_HALF = ("prmt.b32 pa, p0, p1, m; prmt.b32 na, n0, n1, m; prmt.b32 {r}, pa, na, s;")
+_MXFP4_PACK_ASM = (
+    "{ .reg .b32 p0, p1, n0, n1, m, s, pa, na, r0, r1, lo, hi; " + _MXFP4_TABLES
+    + " and.b32 m, $4, 0x77777777; shr.u32 s, $4, 1; and.b32 s, s, 0x44444444; or.b32 s, s, 0x32103210; "
+    + _MXFP4_HALF.format(r="r0") + " shr.u32 m, m, 16; shr.u32 s, s, 16; " + _MXFP4_HALF.format(r="r1")
+    + " prmt.b32 lo, r0, r1, 0x6420; prmt.b32 hi, r0, r1, 0x7531;"
+    + " dp4a.s32.s32 $0, lo, $5, 0; dp4a.s32.s32 $0, hi, $6, $0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }")
+
+
+def _mxfp4_packs_asm(q, x_lo, x_hi):
+    """uint8 quant bytes q and int8 x_lo, x_hi (one shape) -> int32: per pack of four elements a thread holds, the
+    integer dot product of the pack's 8 MXFP4 values (low nibbles with x_lo, high with x_hi) in its first element
+    and 0 in the other three (the pairing as in `_dp4a_packs_asm`)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    [out] = plgpu.elementwise_inline_asm(_MXFP4_PACK_ASM, args=[q, x_lo, x_hi], constraints="=r,=r,=r,=r,r,r,r",
+                                         pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.int32)])
+    return out
+
+
+def _mxfp4_integer(nibble):
+    """ggml's doubled e2m1 integer of a nibble (int32): 0, 1, 2, 3, 4, 6, 8, 12 and their negatives by bit 3."""
+    m = nibble & 7
+    mag = m + jnp.maximum(m - 4, 0) + 2 * jnp.maximum(m - 6, 0)
+    return jnp.where((nibble & 8) != 0, -mag, mag)
+
+
+def _mxfp4_packs_plain(q, x_lo, x_hi):
+    """`_mxfp4_packs_asm` summed over any whole packs: each element's two products (the interpreter's spelling)."""
+    q = q.astype(jnp.int32)
+    return _mxfp4_integer(q & 15) * x_lo.astype(jnp.int32) + _mxfp4_integer(q >> 4) * x_hi.astype(jnp.int32)
 
 
 def _prmt_asm(a, b, c):
@@ -250,6 +291,17 @@ def _dot_q8_0_words(loaded, x_ref, kx, b, d_ref, *, dp4a):
     return _q8_0_block_sums(isum, scale_bytes, d_ref, kx, b)
 
 
+def _dot_mxfp4_packs(loaded, x_ref, kx, b, d_ref, *, mxfp4_packs):
+    """A block's 16 quant bytes (value j low nibble, j + 16 high) with x's 32 int8 values by packs of four
+    (`_mxfp4_packs_asm`), then 2^(e - 128) * (dx * f32(integer sum)) per block, as int8_act's MXFP4 product."""
+    quants, e = loaded  # [BO, NB, 16] uint8, [BO, NB] e8m0
+    at = b[:, None] * 32 + tm._ar(16, 1, 2)
+    x_lo, x_hi = (jnp.broadcast_to(x_ref[kx, at + half][None], quants.shape) for half in (0, 16))
+    isum = jnp.sum(mxfp4_packs(quants, x_lo, x_hi), axis=2)
+    dx = d_ref[kx, b][None]  # [1, NB]
+    return jnp.sum(mxfp4_half_scale(e) * (dx * isum.astype(jnp.float32)), axis=1)
+
+
 def _words(q_XI: jax.Array) -> jax.Array:
     """int8 [X, I] -> int32 [X, I / 4], four consecutive values a word (value 4w + k at byte k)."""
     X, n_in = q_XI.shape
@@ -275,6 +327,10 @@ def int8_job(q_XI: jax.Array, d_XC: jax.Array, raw_EOR, idx_K: jax.Array, qtype,
                                    signs=_IQ2_SIGNS)
         dot = functools.partial(_dot_iq2_xxs_int8, octets=octets)
         extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
+    elif qtype == T.MXFP4:
+        load = functools.partial(tm._load_mxfp4, planar=layout == "planar", n_in=n_in)  # the f32 kernel's load
+        dot = functools.partial(_dot_mxfp4_packs, mxfp4_packs=_mxfp4_packs_plain if interpret else _mxfp4_packs_asm)
+        extra, x_in = (jnp.asarray(d_XC, jnp.float32),), q_XI
     elif qtype == T.Q8_0 and _Q8_0_FORM == "packs":
         load = functools.partial(tm._load_q8_0, n_in=n_in)  # the f32 kernel's load: bytes [BO, NB, 32], scales
         dot = functools.partial(_dot_q8_0_packs, dp4a_packs=_dp4a_packs_plain if interpret else _dp4a_packs_asm)

@@ -55,7 +55,7 @@ from gguf import GGMLQuantizationType as T
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jds41.quant.blocks import IQ2XXS_PACKED_GRID
+from jds41.quant.blocks import IQ2XXS_PACKED_GRID, mxfp4_half_scale
 from jds41.quant.planar import quant_bytes
 
 # JDS41_TRITON: "1" (default) the kernel on CUDA, "0" off (XLA everywhere), "interpret" the kernel on every
@@ -216,14 +216,6 @@ def default_tile(qtype, K: int, n_out: int, n_in: int) -> tuple[int, int, int, i
     return bo, nb, NUM_WARPS, splits if (n_in // values) % (nb * splits) == 0 else 1
 
 
-def _mxfp4_scale(e):
-    """e8m0 byte -> 2^(e - 128) as f32 (ggml keeps the e2m1 values doubled and halves the scale), subnormals
-    included (e < 2), assembled from bits so nothing flushes."""
-    e = e.astype(jnp.int32)
-    bits = jnp.where(e >= 2, (e - 1) << 23, jnp.left_shift(jnp.int32(1), 21 + e))
-    return lax.bitcast_convert_type(bits, jnp.float32)
-
-
 _MAG, _SIGN, _ONE = np.uint32(0x01C00000), np.uint32(0x80000000), np.uint32(0x3F800000)
 
 
@@ -280,7 +272,7 @@ def _dot_mxfp4(loaded, x_ref, kx, b):
     x_lo = x_ref[kx, b2 * 32 + pos][None]  # [1, NB, 16]: values 0-15 of each block (low nibbles)
     x_hi = x_ref[kx, b2 * 32 + 16 + pos][None]  # values 16-31 (high nibbles)
     sums = jnp.sum(_e2m1_doubled(q, 0) * x_lo + _e2m1_doubled(q, 4) * x_hi, axis=2)
-    return jnp.sum(sums * _mxfp4_scale(e), axis=1)
+    return jnp.sum(sums * mxfp4_half_scale(e), axis=1)
 
 
 _Q8_MAGIC, _Q8_OFFSET = np.uint32(0x4B000080), np.float32((1 << 23) + 128)

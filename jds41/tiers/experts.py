@@ -310,9 +310,14 @@ def tiered_routed_experts(tl: TieredLayer, x_D: jax.Array, idx_K: jax.Array, wei
     tier_K = tl.tier_E[idx_K]
     local_K = jnp.where(tier_K == 2, 0, tl.local_E[idx_K])
     D = tl.hbm["down"].shape[-2]
+    # A weight that follows W_down (the rounded numerics) multiplies the selected outputs after the branches, as
+    # the resident layer multiplies its products' outputs: XLA contracts that multiply and the sum over experts into
+    # fused multiply-adds where they share a fusion, so both must meet them in the same ops (MXFP4 experts under
+    # the int8 numerics on XLA:CPU showed it: weighted inside the branches, decode logits moved by an ulp)
+    after_down = tl.hbm["down"].rounds_activation
 
     def outputs(stacks, idx, w):
-        return expert_outputs(x_D, *stacks, idx, w, limit, tile_k=K)
+        return expert_outputs(x_D, *stacks, idx, w, limit, tile_k=K, weigh_after_down=not after_down)
 
     def zeros():
         return (jnp.zeros((K, D), jnp.float32),)
@@ -341,6 +346,8 @@ def tiered_routed_experts(tl: TieredLayer, x_D: jax.Array, idx_K: jax.Array, wei
             return (outputs(_piece(tl.hbm, rows), jnp.arange(pos.shape[0], dtype=jnp.int32), weight_K[pos]),)
 
         y_KD = jnp.where((tier_K == 2)[:, None], flagged_rows(tier_K == 2, SSD_ANSWER_ROWS, ssd, zeros)[0], y_KD)
+    if after_down:
+        y_KD = y_KD * weight_K[:, None]
     return island(sum_experts(y_KD))
 
 
