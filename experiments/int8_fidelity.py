@@ -2,19 +2,18 @@
 with f32 activations (numerics "jds41", the reference) and one with int8 ones, compared logit by logit.
 
     python experiments/int8_fidelity.py checkpoints/code-deepseek41-small-00001-of-00004.gguf \
-        --texts checkpoints/code-deepseek41-small-heldout.jsonl.xz --round-formats MXFP4 [--out FILE]
+        --texts checkpoints/code-deepseek41-small-heldout.jsonl.xz [--steps] [--out FILE]
     python experiments/int8_fidelity.py /tmp/jds41-bench/deepseek41-full-4L-ds4-q2.gguf --random 256 --steps
 
 Reported per run (one JSON line): top-1 agreement of the two engines' next-token predictions, the mean KL
 divergence of the int8 distribution from the f32 one, the largest logit difference relative to the position's
 largest logit, and, with real text, each engine's next-token cross-entropy on it.
 
-The numerics rounds only the two-bit formats' products (IQ2_XXS, Q2_K: V4.1's experts as ds4 ships them). A
-trained model with such experts is not at hand (the shipped small model's experts are MXFP4, and no quantizer
-for IQ2_XXS is), so `--round-formats MXFP4` makes this run round the activation of the MXFP4 products too (through
-the rounded-x f32 product, `qtensor._act`): the rounding's cost on a trained model's real activations, outliers
-included. `--steps` feeds one token a step (decode's products: on the GPU the dp4a kernel) instead of one prompt
-pass (prefill's products, the same rounding through `dot`).
+The numerics rounds the routed experts' formats' products (IQ2_XXS, Q2_K: V4.1's experts as ds4 ships them;
+MXFP4: V4-Flash's, and the shipped small model's, since the forty-first session with an integer product of its
+own). `--round-formats Q8_0` rounds the activation of the dense Q8_0 products too (as JDS41_INT8_Q8_0=1 does).
+`--steps` feeds one token a step (decode's products: the integer product, on the GPU the dp4a kernel) instead of
+one prompt pass (prefill's products, the same rounding through `dot`).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def _round_more_formats(names: str) -> None:
     """Make the int8 numerics round the activation of `names`' products too (through `qtensor._act`); the integer
-    product stays the two-bit formats' own."""
+    product stays the routed formats' own."""
     from gguf import GGMLQuantizationType as T
 
     from jds41.quant import int8_act, qtensor
