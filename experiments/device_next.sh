@@ -63,8 +63,9 @@
 #                                             # its GPU bit test, the gate/up product alone in each form, then
 #                                             # decode ABAB and a profile an arm (decode-ab), ~8 min
 #   bash experiments/device_next.sh v4-int8   # V4-Flash's MXFP4 experts under the int8 numerics (dp4a, as llama.cpp's
-#                                             # CUDA backend computes them): GPU tests and the products alone, ~3 min;
-#                                             # V4_INT8_PART=decode: 8 layers, f32 against int8 pairs, ~6-8 min
+#                                             # CUDA backend computes them): GPU tests, then 8 layers int8 and f32,
+#                                             # ~8 min; V4_INT8_PART=tests: the tests and the products alone;
+#                                             # V4_INT8_PART=decode: the decode pair(s) alone
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
 #                                             # switches in V4_ON (e.g. V4_ON="JDS41_ATTN_KERNEL=1"), ~6 min;
@@ -208,21 +209,26 @@ case "${1:-}" in
     done
     AB_ON="JDS41_INT8_IQ2_SIGNS=parity" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-300} bash "$0" decode-ab ;;
   v4-int8)  # V4-Flash's MXFP4 experts under the int8 numerics (their products the dp4a kernel, quant/triton_int8.py)
-    # V4_INT8_PART=tests (default): the int8 and co-launch GPU tests, then the expert products alone in both
-    # numerics (bench_kernels' "triton" and "int8" paths); V4_INT8_PART=decode: 8 layers resident, f32 against int8
-    # activations, pairs while SECONDS < V4_INT8_UNTIL_S (330)
-    if [ "${V4_INT8_PART:-tests}" = tests ]; then
-      python3 -m pytest -q -m gpu tests/test_int8_numerics.py tests/test_co_launch.py -p no:cacheprovider -rf \
-        --tb=short > "$OUT/v4_int8_gpu_tests.txt" 2>&1 || true
-      tail -6 "$OUT/v4_int8_gpu_tests.txt"
+    # V4_INT8_PART=tests: the int8 GPU tests and V4's co-launch bit test, then the expert products alone in both
+    # numerics (bench_kernels' "triton" and "int8" paths); V4_INT8_PART=decode: 8 layers resident, int8 then f32
+    # activations, pairs while SECONDS < V4_INT8_UNTIL_S (0: one pair); all (the default): the tests, then decode
+    part=${V4_INT8_PART:-all}
+    if [ "$part" != decode ]; then
+      python3 -m pytest -q -m gpu tests/test_int8_numerics.py -p no:cacheprovider -rf --tb=short \
+        > "$OUT/v4_int8_gpu_tests.txt" 2>&1 || true
+      python3 -m pytest -q -m gpu tests/test_co_launch.py -k v4 -p no:cacheprovider -rf --tb=short \
+        >> "$OUT/v4_int8_gpu_tests.txt" 2>&1 || true
+      grep -E "passed|failed|error" "$OUT/v4_int8_gpu_tests.txt" || true
+    fi
+    if [ "$part" = tests ]; then
       python3 experiments/bench_kernels.py --shapes experts-gate-up,experts-down --out "$OUT/bench_kernels_v4_int8.jsonl"
     else
       v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
           --prefill-budget-s 30 --out "$OUT/bench_decode_v4_int8_8L.jsonl")
       while true; do
-        python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the 28 GB file
-        python3 experiments/bench_decode.py "${v4[@]}" --numerics int8
-        (( SECONDS < ${V4_INT8_UNTIL_S:-330} )) || break
+        python3 experiments/bench_decode.py "${v4[@]}" --numerics int8  # the first run writes the 28 GB file
+        python3 experiments/bench_decode.py "${v4[@]}"
+        (( SECONDS < ${V4_INT8_UNTIL_S:-0} )) || break
       done
     fi ;;
   v4)
