@@ -138,3 +138,25 @@ def test_a_piece_of_the_k_experts_gives_the_bits_of_the_whole_product_on_the_cpu
             piece = slice(start, start + size)
             np.testing.assert_array_equal(np.asarray(product(x, idx[piece])), whole[piece])
             np.testing.assert_array_equal(np.asarray(product(xs[piece], idx[piece])), whole_rows[piece])
+
+
+@pytest.mark.slow
+def test_decode_steps_under_int8_keep_the_resident_bits_with_host_and_ssd_experts(synthetic_model, tmp_path):
+    """Token by token (prefill_chunk 0: every position is a decode step) under the int8 numerics with MXFP4
+    experts, whose routing weight follows W_down: host and SSD placements give the resident logits bit for bit.
+    Before the tiers weighed those outputs after their branches, as the resident layer does, XLA:CPU contracted
+    the resident layer's multiply and sum into fused multiply-adds and not the tiers', and the logits moved by an
+    ulp (experiments/README.md, forty-first session)."""
+    import json
+
+    path = str(synthetic_model("deepseek41", "tiny", "mxfp4"))
+    tokens = np.random.default_rng(3).integers(8, 400, 10).tolist()
+    want = Engine.open(path, max_ctx=32, prefill_chunk=0, numerics="int8").session().feed(tokens, all_logits=True)
+    for name, hbm, host in (("host", 0.0, 1.0), ("ssd", 0.0, 0.0)):
+        prof = tmp_path / f"{name}.json"
+        prof.write_text(json.dumps({"name": name, "tier0_bytes": hbm, "tier1_bytes": host, "placement_source":
+                                    "uniform", "slot_cache_slots": 2, "lookahead": 1,
+                                    "router_lean": {"enabled": False}}))
+        got = Engine.open(path, max_ctx=32, prefill_chunk=0, numerics="int8", profile=str(prof)).session().feed(
+            tokens, all_logits=True)
+        np.testing.assert_array_equal(got, want, err_msg=name)
