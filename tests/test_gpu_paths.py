@@ -49,10 +49,11 @@ def test_tiered_logits_equal_resident_on_the_gpu(synthetic_model, tmp_path, fetc
 @pytest.mark.parametrize("fetch", ["all", "selected"])
 def test_int8_numerics_keeps_the_placement_and_loop_invariances_on_the_gpu(tmp_path, fetch):
     path = two_bit_model(tmp_path)
-    resident = Engine.open(path, max_ctx=64, numerics="int8")
+    # prefill_chunk 0: every position a decode step, so the tiers' decode products (the dp4a kernel) are compared
+    resident = Engine.open(path, max_ctx=64, numerics="int8", prefill_chunk=0)
     want = resident.session().feed(TOKENS, all_logits=True)
     prof = _profile(tmp_path, f"mixed-{fetch}", tier0_bytes=0.3, tier1_bytes=0.4, host_fetch=fetch)
-    tiered = Engine.open(path, max_ctx=64, profile=prof, numerics="int8")
+    tiered = Engine.open(path, max_ctx=64, profile=prof, numerics="int8", prefill_chunk=0)
     np.testing.assert_array_equal(tiered.session().feed(TOKENS, all_logits=True), want)
     for eng in (resident, tiered):
         ref = list(eng.session().generate(TOKENS, 12, SamplingParams()))
