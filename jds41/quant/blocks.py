@@ -254,6 +254,14 @@ def _dec_iq2_xxs(b):
 # kv = m + max(m - 4, 0) + 2 * max(m - 6, 0).
 
 
+def mxfp4_integers(nibbles):
+    """ggml's doubled e2m1 integers (kvalues_mxfp4) of int32 nibbles: 0, 1, 2, 3, 4, 6, 8, 12 by the 3 magnitude
+    bits, negated by bit 3 (-0 is 0), in arithmetic (a Pallas kernel captures no constant table)."""
+    m = nibbles & 7
+    mag = m + jnp.maximum(m - 4, 0) + 2 * jnp.maximum(m - 6, 0)
+    return jnp.where((nibbles & 8) != 0, -mag, mag)
+
+
 def mxfp4_half_scale(e):
     """e8m0 bytes -> 2^(e - 128) as f32: the block scale halved, as ggml halves it for its doubled e2m1 integers
     (the kernels' and the int8 product's factor), subnormals included (e < 2), assembled from bits so nothing

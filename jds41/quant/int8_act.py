@@ -1,11 +1,11 @@
-"""The "int8" activation numerics: the two-bit formats' products read the activation rounded to int8 blocks of 32.
+"""The "int8" activation numerics: the routed experts' products read the activation rounded to int8 blocks of 32.
 
 What it is: before a product with IQ2_XXS, Q2_K or MXFP4 weights (V4.1's and V4-Flash's routed experts), x is
-rounded per block of 32
-values to q * d, d = amax / 127 (f32), q = round-half-even(x * 127 / amax) in [-127, 127] (q = d = 0 for a zero
-block). llama.cpp's CUDA backend rounds the same way before its quantized matrix-vector products (q8_1 blocks of 32,
-whose d it stores as f16), and its CPU backend rounds these formats to Q8_K (blocks of 256). With JDS41_INT8_Q8_0=1
-the Q8_0 products round too (as llama.cpp's CUDA backend does; opt-in until timed). Every other format, and every
+rounded per block of 32 values to q * d, d = amax / 127 (f32), q = round-half-even(x * 127 / amax) in [-127, 127]
+(q = d = 0 for a zero block). llama.cpp's CUDA backend rounds the same way before its quantized matrix-vector
+products (q8_1 blocks of 32, whose d it stores as f16), and its CPU backend rounds the two-bit formats to Q8_K
+(blocks of 256). With JDS41_INT8_Q8_0=1 the Q8_0 products round too (as llama.cpp's CUDA backend does; opt-in:
+its rounding launches cost what its products saved). Every other format, and every
 product when the numerics is off (`QTensor.act_round` None), reads x as is.
 
 Why: with int8 activations a product is an integer dot product within each block of 32 and a few float
@@ -34,7 +34,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from jax import lax
 
-from jds41.quant.blocks import _f16, iq2_xxs_integers, mxfp4_half_scale
+from jds41.quant.blocks import _f16, iq2_xxs_integers, mxfp4_half_scale, mxfp4_integers
 from jds41.quant.planar import _unpack_crumbs, block_parts
 
 PRODUCT_TYPES = frozenset({T.IQ2_XXS, T.Q2_K, T.MXFP4, T.Q8_0})  # the formats the integer product takes
@@ -43,8 +43,6 @@ PRODUCT_TYPES = frozenset({T.IQ2_XXS, T.Q2_K, T.MXFP4, T.Q8_0})  # the formats t
 # H100, experiments/README.md, thirty-first session)
 INT8_TYPES = PRODUCT_TYPES if os.environ.get("JDS41_INT8_Q8_0", "0") == "1" else frozenset({T.IQ2_XXS, T.Q2_K,
                                                                                              T.MXFP4})
-# ggml's MXFP4 values doubled (kvalues_mxfp4): nibble n is MXFP4_INTEGERS[n]; its scale is then halved
-MXFP4_INTEGERS = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int32)
 BLOCK = 32  # activation values per int8 block
 
 
@@ -101,7 +99,7 @@ def xla_int8_rows_matvec(q_XI: jax.Array, d_XC: jax.Array, raw_EOR: jax.Array, i
         per_block = _f16(scales) * (dx * isum.astype(jnp.float32))
     elif qtype == T.MXFP4:
         nibbles = jnp.concatenate([quants & 15, quants >> 4], axis=-1).astype(jnp.int32)  # value j: byte j % 16
-        isum = jnp.sum(jnp.asarray(MXFP4_INTEGERS)[nibbles] * q.reshape(*q.shape[:2], nb, 32), axis=-1)
+        isum = jnp.sum(mxfp4_integers(nibbles) * q.reshape(*q.shape[:2], nb, 32), axis=-1)
         per_block = mxfp4_half_scale(scales[..., 0]) * (dx * isum.astype(jnp.float32))
     else:
         codes = _unpack_crumbs(quants).reshape(*quants.shape[:-1], 16, 16).astype(jnp.int32)  # [K, O, nb, 16, 16]

@@ -26,6 +26,10 @@ Q2_K (planar rows only): a sub-block's 16 codes are one word, code u of each byt
 64u + t) so those four values' x bytes are one word. The sums of x per sub-block (for the mins) are dp4a with
 0x01010101.
 
+MXFP4 (either layout; V4-Flash's experts, since the forty-first session): one piece of inline assembly a pack of four
+quant bytes picks each value's doubled e2m1 integer from tables held in registers by byte permutes and dots the low
+and high nibbles' values with x's words by two dp4a (`_MXFP4_PACK_ASM`; x in file order). Not yet run on a GPU.
+
 Q8_0 (planar rows; rounded only with JDS41_INT8_Q8_0=1, quant/int8_act.py): a block's 32 weight bytes are already
 int8, so the step is dp4a over them, in one of two forms (JDS41_INT8_Q8_0_FORM, read at import, for the A/B):
 "packs" loads the bytes as the f32 kernel does and hands dp4a each thread's packs of four through inline assembly
@@ -45,7 +49,7 @@ from gguf import GGMLQuantizationType as T
 from jax import lax
 
 from jds41.quant import triton_matvec as tm
-from jds41.quant.blocks import IQ2XXS_PACKED_GRID, mxfp4_half_scale
+from jds41.quant.blocks import IQ2XXS_PACKED_GRID, mxfp4_half_scale, mxfp4_integers
 from jds41.quant.int8_act import BLOCK
 
 # (qtype, layout) pairs this kernel reads: what an engine with the kernels holds (planar), and IQ2_XXS as in the file
@@ -118,7 +122,7 @@ def _dp4a_packs_plain(a, b):
 # sort the bytes into the four low-nibble values (values j of the block) and the four high-nibble ones (j + 16),
 # each dotted with its x word by dp4a: 16 instructions for 8 values, no table in memory and no x permutation.
 _MXFP4_TABLES = "mov.b32 p0, 0x03020100; mov.b32 p1, 0x0C080604; mov.b32 n0, 0xFDFEFF00; mov.b32 n1, 0xF4F8FAFC;"
-_MXFP4_HALF = ("prmt.b32 pa, p0, p1, m; prmt.b32 na, n0, n1, m; prmt.b32 {r}, pa, na, s;")
+_MXFP4_HALF = "prmt.b32 pa, p0, p1, m; prmt.b32 na, n0, n1, m; prmt.b32 {r}, pa, na, s;"
 _MXFP4_PACK_ASM = (
     "{ .reg .b32 p0, p1, n0, n1, m, s, pa, na, r0, r1, lo, hi; " + _MXFP4_TABLES
     + " and.b32 m, $4, 0x77777777; shr.u32 s, $4, 1; and.b32 s, s, 0x44444444; or.b32 s, s, 0x32103210; "
@@ -138,17 +142,10 @@ def _mxfp4_packs_asm(q, x_lo, x_hi):
     return out
 
 
-def _mxfp4_integer(nibble):
-    """ggml's doubled e2m1 integer of a nibble (int32): 0, 1, 2, 3, 4, 6, 8, 12 and their negatives by bit 3."""
-    m = nibble & 7
-    mag = m + jnp.maximum(m - 4, 0) + 2 * jnp.maximum(m - 6, 0)
-    return jnp.where((nibble & 8) != 0, -mag, mag)
-
-
 def _mxfp4_packs_plain(q, x_lo, x_hi):
     """`_mxfp4_packs_asm` summed over any whole packs: each element's two products (the interpreter's spelling)."""
     q = q.astype(jnp.int32)
-    return _mxfp4_integer(q & 15) * x_lo.astype(jnp.int32) + _mxfp4_integer(q >> 4) * x_hi.astype(jnp.int32)
+    return mxfp4_integers(q & 15) * x_lo.astype(jnp.int32) + mxfp4_integers(q >> 4) * x_hi.astype(jnp.int32)
 
 
 def _prmt_asm(a, b, c):
