@@ -211,7 +211,8 @@ case "${1:-}" in
   v4-int8)  # V4-Flash's MXFP4 experts under the int8 numerics (their products the dp4a kernel, quant/triton_int8.py)
     # V4_INT8_PART=tests: the int8 GPU tests and V4's co-launch bit test, then the expert products alone in both
     # numerics (bench_kernels' "triton" and "int8" paths); V4_INT8_PART=decode: 8 layers resident, int8 then f32
-    # activations, pairs while SECONDS < V4_INT8_UNTIL_S (0: one pair); all (the default): the tests, then decode
+    # activations, pairs while SECONDS < V4_INT8_UNTIL_S (0: one pair), then an int8 profile if SECONDS <
+    # V4_INT8_PROFILE_BEFORE_S (420); all (the default): the tests, then decode
     part=${V4_INT8_PART:-all}
     if [ "$part" != decode ]; then
       python3 -m pytest -q -m gpu tests/test_int8_numerics.py -p no:cacheprovider -rf --tb=short \
@@ -230,6 +231,11 @@ case "${1:-}" in
         python3 experiments/bench_decode.py "${v4[@]}"
         (( SECONDS < ${V4_INT8_UNTIL_S:-0} )) || break
       done
+      # where an int8 V4 token's time goes now (the last V4 profile on record is 0744cc7's, f32), if time is left
+      if (( SECONDS < ${V4_INT8_PROFILE_BEFORE_S:-420} )); then
+        python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 --prompt 64 --decode 64 \
+          --numerics int8 --out "$OUT/profile_decode_v4_int8_8L.jsonl" || true
+      fi
     fi ;;
   v4)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
