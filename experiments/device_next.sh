@@ -62,6 +62,10 @@
 #                                             # 128-byte table (JDS41_INT8_IQ2_SIGNS=parity, quant/triton_int8.py):
 #                                             # its GPU bit test, the gate/up product alone in each form, then
 #                                             # decode ABAB and a profile an arm (decode-ab), ~8 min
+#   bash experiments/device_next.sh q2k-packs # Q2_K's int8 step with the f32 kernel's load and a pack of four code
+#                                             # bytes as one register (JDS41_INT8_Q2_K_FORM=packs) against words
+#                                             # assembled from four byte loads: GPU test, W_down alone in each
+#                                             # form, decode ABAB and a profile an arm (decode-ab), ~8 min
 #   bash experiments/device_next.sh v4-int8   # V4-Flash's MXFP4 experts under the int8 numerics (dp4a, as llama.cpp's
 #                                             # CUDA backend computes them): GPU tests, then 8 layers int8 and f32,
 #                                             # ~8 min; V4_INT8_PART=tests: the tests and the products alone;
@@ -208,6 +212,16 @@ case "${1:-}" in
         --out "$OUT/bench_kernels_iq2_signs.jsonl" || true
     done
     AB_ON="JDS41_INT8_IQ2_SIGNS=parity" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-300} bash "$0" decode-ab ;;
+  q2k-packs)  # Q2_K's int8 step by packs (JDS41_INT8_Q2_K_FORM=packs) against words: GPU test, the routed W_down
+    # product alone in each form, then decode ABAB (decode-ab)
+    python3 -m pytest -q -m gpu tests/test_int8_numerics.py -k q2_k -p no:cacheprovider -rf --tb=short \
+      > "$OUT/q2k_packs_gpu_tests.txt" 2>&1 || true
+    tail -3 "$OUT/q2k_packs_gpu_tests.txt"
+    for form in words packs; do
+      JDS41_INT8_Q2_K_FORM=$form python3 experiments/bench_kernels.py --shapes v41-experts-down \
+        --out "$OUT/bench_kernels_q2k_packs.jsonl" || true
+    done
+    AB_ON="JDS41_INT8_Q2_K_FORM=packs" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-300} bash "$0" decode-ab ;;
   v4-int8)  # V4-Flash's MXFP4 experts under the int8 numerics (their products the dp4a kernel, quant/triton_int8.py)
     # V4_INT8_PART=tests: the int8 GPU tests and V4's co-launch bit test, then the expert products alone in both
     # numerics (bench_kernels' "triton" and "int8" paths); V4_INT8_PART=decode: 8 layers resident, int8 then f32
@@ -245,6 +259,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|iq2-signs|v4-int8|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|iq2-signs|q2k-packs|v4-int8|v4" >&2
     exit 2 ;;
 esac

@@ -30,6 +30,7 @@ from kernel_reference import rel_error as _rel
 from two_bit_model import two_bit_model
 
 from jds41.quant import QTensor, int8_act, qmatvec_experts, qtensor, triton_int8
+from jds41.quant import triton_matvec as tm
 from jds41.quant.blocks import IQ2XXS_PACKED_GRID
 from jds41.quant.int8_act import int8_values, round_int8, xla_int8_rows_matvec
 from jds41.quant.planar import to_planar
@@ -101,7 +102,7 @@ def test_prmt_spelled_in_shifts_is_ptxs_byte_permute():
 
 def _run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Execute the straight-line PTX of an inline-assembly block over numpy uint32 lanes: the opcodes the MXFP4
-    step uses (mov, and, or, shr.u32, prmt.b32 in its default mode as `_numpy_prmt`, dp4a.s32.s32), registers by
+    and Q2_K pack steps use (mov, and, or, shr.u32, prmt.b32 in its default mode as `_numpy_prmt`, dp4a.s32.s32), registers by
     name ($0..$n and declared ones), immediates in hex or decimal. Anything else fails the test."""
     regs = {k: np.asarray(v).astype(np.int64).astype(np.uint32) for k, v in inputs.items()}
 
@@ -156,6 +157,35 @@ def test_the_mxfp4_pack_assembly_gives_gguf_pys_integers():
     assert all((regs[f"${k}"] == 0).all() for k in (1, 2, 3))
     plain = np.asarray(triton_int8._mxfp4_packs_plain(jnp.asarray(q), jnp.asarray(x_lo), jnp.asarray(x_hi)))
     np.testing.assert_array_equal(plain.sum(axis=1), want)
+
+
+def _crumb(q):
+    """int8 x -> the Q2_K steps' crumb-major order (`triton_matvec._crumb_major`), int8."""
+    return tm._crumb_major(q).astype(jnp.int8)
+
+
+def test_the_q2_k_pack_assembly_gives_gguf_pys_codes():
+    """The Q2_K packs step's inline assembly (`_Q2_K_PACK_ASM`), executed instruction by instruction in numpy, on
+    planar words (`to_planar`) of GGML blocks whose scales are 1, mins 0, d 1 and dmin 0, so gguf-py dequantizes
+    them to their codes: each word's result is its sub-block's 16 codes dotted with their x; the interpreter's
+    spelling sums to the same."""
+    rng = np.random.default_rng(13)
+    blocks = np.zeros((64, 84), np.uint8)
+    blocks[:, :16] = 0x01  # scale 1, min 0 in every sub-block
+    blocks[:, 16:80] = rng.integers(0, 256, (64, 64))
+    blocks[:, 80:84] = np.frombuffer(np.array([1.0, 0.0], np.float16).tobytes(), np.uint8)  # d, dmin
+    codes = gguf.quants.dequantize(blocks, T.Q2_K).astype(np.int64).reshape(64, 16, 4, 4)  # [block, j, byte, u]
+    words = to_planar(blocks, T.Q2_K)[:, :64].copy().view("<u4").reshape(-1)  # [block * 16 + j]
+    x = rng.integers(-127, 128, (64, 16, 4, 4)).astype(np.int8)  # the x of each value, as codes
+    # register $5 + u: the x of code u of each of word j's four bytes
+    x_u = {f"${5 + u}": np.ascontiguousarray(x[..., u]).reshape(-1, 4).view("<u4")[:, 0] for u in range(4)}
+    regs = _run_ptx(triton_int8._Q2_K_PACK_ASM, {"$4": words, **x_u})
+    want = (codes * x).sum(axis=(2, 3)).reshape(-1)
+    np.testing.assert_array_equal(regs["$0"].view(np.int32), want)
+    assert all((regs[f"${k}"] == 0).all() for k in (1, 2, 3))
+    q = words.astype("<u4").view(np.uint8).reshape(-1, 4)
+    plain = triton_int8._q2_k_packs_plain(jnp.asarray(q), *(jnp.asarray(x[..., u].reshape(-1, 4)) for u in range(4)))
+    np.testing.assert_array_equal(np.asarray(plain).sum(axis=1), want)
 
 
 @pytest.mark.parametrize("signs", ["table", "parity"])
@@ -245,6 +275,63 @@ def test_both_q8_0_kernel_forms_equal_the_reference_and_each_other(monkeypatch, 
             q, d, jnp.asarray(to_planar(raw, T.Q8_0)), jnp.asarray(idx), T.Q8_0, "planar", interpret=True))
     np.testing.assert_array_equal(got["packs"], got["words"])
     assert _rel(got["packs"], _reference(x, raw, idx, T.Q8_0)) < 1e-6
+
+
+def test_both_q2_k_steps_sum_the_same_integers(monkeypatch):
+    """The Q2_K step's two forms (JDS41_INT8_Q2_K_FORM): each sub-block's integer sums of code * q and of q, what
+    each form's own load and dot hand the shared float steps (`_q2_k_sums`), are the same integers, and equal a
+    numpy sum over gguf-py's codes (blocks with scales 1, mins 0, d 1, dmin 0 dequantize to their codes)."""
+    rng = np.random.default_rng(14)
+    blocks = np.zeros((6, 4, 84), np.uint8)  # 6 rows of 4 blocks of 256
+    blocks[..., :16] = 0x01
+    blocks[..., 16:80] = rng.integers(0, 256, (6, 4, 64))
+    blocks[..., 80:84] = np.frombuffer(np.array([1.0, 0.0], np.float16).tobytes(), np.uint8)
+    codes = gguf.quants.dequantize(blocks.reshape(6, -1), T.Q2_K).astype(np.int64).reshape(6, 4, 16, 16)
+    q, d = round_int8(jnp.asarray(rng.standard_normal((1, 1024)), jnp.float32))
+    qv = np.asarray(q, np.int64).reshape(1, 4, 16, 16)
+    monkeypatch.setattr(triton_int8, "_q2_k_sums", lambda qx, xs, *rest: (qx, xs))
+    w, rows, b, xc = jnp.asarray(to_planar(blocks.reshape(6, -1), T.Q2_K)), jnp.arange(6), jnp.arange(4), _crumb(q)
+    words = triton_int8._dot_q2_k_int8(triton_int8._load_q2_k_words(w, rows, b, n_in=1024), triton_int8._words(xc),
+                                       0, b, d, dp4a=_dp4a_plain)
+    packs = triton_int8._dot_q2_k_packs(tm._load_q2_k_planar(w, rows, b, n_in=1024), xc, 0, b, d,
+                                        q2_k_packs=triton_int8._q2_k_packs_plain)
+    for form in (words, packs):
+        np.testing.assert_array_equal(np.asarray(form[0]), (codes * qv).sum(axis=3))
+        np.testing.assert_array_equal(np.asarray(form[1]), qv.sum(axis=3))
+
+
+def test_the_q2_k_packs_form_lowers_its_assembly_for_cuda(monkeypatch):
+    """Lowered for CUDA (Triton's IR, built without a GPU), the packs form carries its pack assembly, which the words
+    form does not."""
+    rng = np.random.default_rng(16)
+    rows = jnp.asarray(to_planar(random_quantized(rng, T.Q2_K, (8, 64, 1024)), T.Q2_K))
+    q, d = round_int8(jnp.ones((6, 1024), jnp.float32))
+    texts = {}
+    for form in ("words", "packs"):
+        monkeypatch.setattr(triton_int8, "_Q2_K_FORM", form)
+        product = jax.jit(lambda q, d, r, i: triton_int8.rows_matvec_int8.__wrapped__(q, d, r, i, T.Q2_K))
+        texts[form] = product.trace(q, d, rows, jnp.arange(6, dtype=jnp.int32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    pack_asm = "and.b32 c, $4, 0x03030303"
+    assert TRITON_CALL in texts["packs"] and pack_asm in texts["packs"] and pack_asm not in texts["words"]
+
+
+@pytest.mark.parametrize("x_rows", [1, 3])
+def test_the_interpreted_q2_k_packs_kernel_equals_the_reference(monkeypatch, x_rows):
+    """The whole packs-form kernel in Pallas' interpreter (the form set on the module and traced afresh) against
+    the float64 reference, in three tiles. (Its bits may differ from the words form's on XLA:CPU, which contracts
+    the shared float steps into fused multiply-adds as each program's fusion happens to allow.)"""
+    monkeypatch.setattr(triton_int8, "_Q2_K_FORM", "packs")
+    rng = np.random.default_rng(14)
+    raw = random_quantized(rng, T.Q2_K, (4, 24, 1024))
+    idx = np.array([2, 0, 3], np.int32)
+    x = rng.standard_normal((x_rows, 1024)).astype(np.float32)
+    q, d = round_int8(jnp.asarray(x))
+    rows = jnp.asarray(to_planar(raw, T.Q2_K))
+    for tile in (None, (8, 2, 4), (8, 1, 4, 4)):
+        got = triton_int8.rows_matvec_int8.__wrapped__(q, d, rows, jnp.asarray(idx), T.Q2_K, "planar",
+                                                       interpret=True, tile=tile)
+        assert _rel(got, _reference(x, raw, idx, T.Q2_K)) < 1e-6, tile
 
 
 def test_only_the_expert_formats_round_and_take_the_int8_kernel_on_cuda(monkeypatch):
@@ -351,6 +438,23 @@ def test_the_compiled_iq2_xxs_sign_forms_give_the_same_bits_on_the_gpu(monkeypat
         got[form] = np.asarray(product(q, d, rows, idx))
     assert np.isfinite(got["table"]).all()
     np.testing.assert_array_equal(got["table"], got["parity"])
+
+
+@pytest.mark.gpu
+def test_the_compiled_q2_k_packs_form_agrees_with_the_words_form_on_the_gpu(monkeypatch):
+    """At V4.1's routed W_down shape, six experts' rows: the packs form (Triton's packs of four must be the code
+    words' four bytes, else whole sub-blocks take wrong scales) against the words form: equal integer sums and the
+    same float steps after them, so equal up to how Triton contracts those steps (the bits, unless it differs)."""
+    rng = np.random.default_rng(15)
+    rows = jax.device_put(to_planar(random_quantized(rng, T.Q2_K, (8, 5120, 2304)), T.Q2_K))
+    idx = jnp.asarray(rng.integers(0, 8, 6), jnp.int32)
+    q, d = round_int8(jnp.asarray(rng.standard_normal((6, 2304)), jnp.float32))
+    got = {}
+    for form in ("words", "packs"):
+        monkeypatch.setattr(triton_int8, "_Q2_K_FORM", form)
+        product = jax.jit(lambda q, d, r, i: triton_int8.rows_matvec_int8.__wrapped__(q, d, r, i, T.Q2_K))
+        got[form] = np.asarray(product(q, d, rows, idx))
+    assert np.isfinite(got["words"]).all() and _rel(got["packs"], got["words"].astype(np.float64)) < 1e-6
 
 
 def test_the_server_and_generate_command_lines_take_the_numerics(tmp_path, capsys):

@@ -24,7 +24,11 @@ on an H100, the same predictions; a 1 KB grid table already in nibbles saved the
 Q2_K (planar rows only): a sub-block's 16 codes are one word, code u of each byte at bits 2u, so (word >> 2u) &
 0x03030303 holds four codes as bytes, and x is read crumb-major (`_crumb_major`: value 4t + u of a block at
 64u + t) so those four values' x bytes are one word. The sums of x per sub-block (for the mins) are dp4a with
-0x01010101.
+0x01010101. Two forms (JDS41_INT8_Q2_K_FORM, read at import, for the A/B): "words" assembles each word from four
+byte loads (three shifts and three ors); "packs" (since the forty-second session, not yet run on a GPU) takes the
+f32 kernel's load, whose last axis is a sub-block's four bytes, and hands each thread's pack of four to inline
+assembly as one register (`_Q2_K_PACK_ASM`: four shift-and-mask and dp4a), x as int8 values. Both hand the same
+integer sums to the same float steps (`_q2_k_sums`).
 
 MXFP4 (either layout; V4-Flash's experts, since the forty-first session): one piece of inline assembly a pack of four
 quant bytes picks each value's doubled e2m1 integer from tables held in registers by byte permutes and dots the low
@@ -58,6 +62,9 @@ KINDS = frozenset({(T.IQ2_XXS, "ggml"), (T.IQ2_XXS, "planar"), (T.Q2_K, "planar"
 # Q8_0's step: "packs" (dp4a over a thread's packs of four loaded bytes) or "words" (bytes assembled into words
 # first); read at import, for A/B measurements
 _Q8_0_FORM = os.environ.get("JDS41_INT8_Q8_0_FORM", "packs")
+# Q2_K's step: "words" (each sub-block's word assembled from its four loaded bytes) or "packs" (the f32 kernel's
+# load, a thread's pack of four bytes handed to inline assembly as one register); read at import, for the A/B
+_Q2_K_FORM = os.environ.get("JDS41_INT8_Q2_K_FORM", "words")
 # IQ2_XXS's sign bytes: "table" looks each up in the 128-byte table, "parity" computes ggml's bit 7 (the parity
 # of the seven stored bits) by one population count, so an octet makes one gather (the grid's) instead of two;
 # read at import, for the A/B (the same bytes either way)
@@ -146,6 +153,33 @@ def _mxfp4_packs_plain(q, x_lo, x_hi):
     """`_mxfp4_packs_asm` summed over any whole packs: each element's two products (the interpreter's spelling)."""
     q = q.astype(jnp.int32)
     return mxfp4_integers(q & 15) * x_lo.astype(jnp.int32) + mxfp4_integers(q >> 4) * x_hi.astype(jnp.int32)
+
+
+# Q2_K's step in one piece of assembly a pack of four code bytes (one planar sub-block's word): for each code position
+# u, (word >> 2u) & 0x03030303 holds the four values' codes as bytes, dotted with x's word of those values by dp4a
+_Q2_K_PACK_ASM = (
+    "{ .reg .b32 c, a; and.b32 c, $4, 0x03030303; dp4a.s32.s32 a, c, $5, 0; "
+    + "".join(f"shr.u32 c, $4, {2 * u}; and.b32 c, c, 0x03030303; dp4a.s32.s32 a, c, ${5 + u}, a; " for u in (1, 2, 3))
+    + "mov.b32 $0, a; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }")
+
+
+def _q2_k_packs_asm(codes, x0, x1, x2, x3):
+    """uint8 code bytes and int8 x_u (one shape; x_u the x of each byte's code u) -> int32: per pack of four
+    elements a thread holds, sum_u sum_k code_u(byte k) * x_u[k] in its first element and 0 in the other three.
+    Unlike Q8_0's and MXFP4's packs, a pack must be one sub-block's four bytes (its sum takes one scale): the
+    caller's last axis is those four, and the GPU test checks Triton's packs follow it."""
+    from jax.experimental.pallas import triton as plgpu
+
+    [out] = plgpu.elementwise_inline_asm(_Q2_K_PACK_ASM, args=[codes, x0, x1, x2, x3],
+                                         constraints="=r,=r,=r,=r,r,r,r,r,r", pack=4,
+                                         result_shape_dtypes=[jax.ShapeDtypeStruct(codes.shape, jnp.int32)])
+    return out
+
+
+def _q2_k_packs_plain(codes, x0, x1, x2, x3):
+    """`_q2_k_packs_asm` summed over whole packs: each element's four products (the interpreter's spelling)."""
+    codes = codes.astype(jnp.int32)
+    return sum(((codes >> (2 * u)) & 3) * x.astype(jnp.int32) for u, x in enumerate((x0, x1, x2, x3)))
 
 
 def _prmt_asm(a, b, c):
@@ -251,11 +285,29 @@ def _dot_q2_k_int8(loaded, x_ref, kx, b, d_ref, *, dp4a):
         codes = lax.bitcast_convert_type((words >> np.uint32(2 * u)) & np.uint32(0x03030303), jnp.int32)
         qx = dp4a(codes, xw, jnp.zeros_like(codes) if qx is None else qx)
         xs = dp4a(jnp.full_like(xw, _BYTE_ONES), xw, jnp.zeros_like(xw) if xs is None else xs)
+    return _q2_k_sums(qx, xs, sc_bytes, d_bytes, dmin_bytes, d_ref, kx, b)
+
+
+def _q2_k_sums(qx, xs, sc_bytes, d_bytes, dmin_bytes, d_ref, kx, b):
+    """A step's [BO] sums from its per-sub-block integer sums of code * q [BO, NB, 16] and of q [1, NB, 16] (both
+    Q2_K forms, so both give the same bits)."""
     sc = sc_bytes.astype(jnp.int32)
-    dx = d_ref[kx, b[:, None] * 8 + (s >> 1)][None]  # [1, NB, 16]: sub-block j reads its block of 32's scale
+    dx = d_ref[kx, b[:, None] * 8 + (tm._ar(16, 1, 2) >> 1)][None]  # [1, NB, 16]: sub-block j, its block of 32's
     scaled = jnp.sum(dx * ((sc & 15) * qx).astype(jnp.float32), axis=2)
     mins = jnp.sum(dx * ((sc >> 4) * xs).astype(jnp.float32), axis=2)
     return jnp.sum(tm._f16_value(d_bytes) * scaled - tm._f16_value(dmin_bytes) * mins, axis=1)
+
+
+def _dot_q2_k_packs(loaded, x_ref, kx, b, d_ref, *, q2_k_packs):
+    """The f32 kernel's planar Q2_K load (codes [BO, NB, 16, 4]: sub-block j's word as its 4 bytes), each word's
+    16 codes with its x by `_q2_k_packs_asm`, x as int8 values crumb-major (code u of byte t of a block at
+    64u + t)."""
+    codes, sc_bytes, d_bytes, dmin_bytes = loaded
+    x_at = b[:, None, None] * 256 + tm._ar(16, 1, 3) * 4 + tm._ar(4, 2, 3)  # [NB, 16, 4]: byte 4j + t's code 0
+    xs_u = [x_ref[kx, x_at + 64 * u][None] for u in range(4)]  # [1, NB, 16, 4] int8 each
+    qx = jnp.sum(q2_k_packs(codes, *(jnp.broadcast_to(x, codes.shape) for x in xs_u)), axis=3)
+    xs = jnp.sum(sum(x.astype(jnp.int32) for x in xs_u), axis=3)  # [1, NB, 16]
+    return _q2_k_sums(qx, xs, sc_bytes, d_bytes, dmin_bytes, d_ref, kx, b)
 
 
 def _load_q8_0_words(w_ref, rows, b, *, n_in: int):
@@ -337,10 +389,15 @@ def int8_job(q_XI: jax.Array, d_XC: jax.Array, raw_EOR, idx_K: jax.Array, qtype,
         dot = functools.partial(_dot_q8_0_words, dp4a=dp4a)
         extra = (jnp.asarray(d_XC, jnp.float32),)
     else:
-        load = functools.partial(_load_q2_k_words, n_in=n_in)
-        dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a)
-        extra = (jnp.asarray(d_XC, jnp.float32),)
         q_XI = q_XI if q_crumb_major else tm._crumb_major(q_XI)
+        extra = (jnp.asarray(d_XC, jnp.float32),)
+        if _Q2_K_FORM == "packs":
+            load = functools.partial(tm._load_q2_k_planar, n_in=n_in)  # the f32 kernel's load
+            dot = functools.partial(_dot_q2_k_packs, q2_k_packs=_q2_k_packs_plain if interpret else _q2_k_packs_asm)
+            x_in = q_XI
+        else:
+            load = functools.partial(_load_q2_k_words, n_in=n_in)
+            dot = functools.partial(_dot_q2_k_int8, dp4a=dp4a)
     return tm.make_job(_words(q_XI) if x_in is None else x_in, raw_EOR, idx_K, extra, load=load, dot=dot,
                        prefetch=qtype in tm.PREFETCH, tile=(bo, nb, warps, splits),
                        steps=n_in // (nb * values * splits), name=f"rows_matvec_int8_{qtype.name.lower()}_{layout}")
