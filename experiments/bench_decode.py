@@ -106,9 +106,8 @@ def q2k_kernel_on() -> bool:
 def kernel_ab() -> dict:
     """The kernel's load-ahead formats, row splits and how many measured tiles it takes (JDS41_PREFETCH, JDS41_SPLITS,
     JDS41_MEASURED_TILES: quant/triton_matvec.py), whether Q2_K stacks are regrouped (JDS41_PLANAR_Q2K:
-    quant/planar.py), the formats the "int8" numerics rounds for, its Q8_0 and Q2_K steps and IQ2_XXS's sign bytes
-    (JDS41_INT8_Q8_0, JDS41_INT8_Q8_0_FORM, JDS41_INT8_Q2_K_FORM, JDS41_INT8_IQ2_SIGNS: quant/int8_act.py,
-    quant/triton_int8.py),
+    quant/planar.py), the formats the "int8" numerics rounds for, its Q8_0 and Q2_K steps
+    (JDS41_INT8_Q8_0, JDS41_INT8_Q8_0_FORM, JDS41_INT8_Q2_K_FORM: quant/int8_act.py, quant/triton_int8.py),
     whether its rounding is one Triton launch (JDS41_INT8_ROUND_KERNEL: quant/int8_round_kernel.py), whether a gate
     and an up product share a launch (JDS41_SHARED_LAUNCH: quant/qtensor.py), whether the router's top-K is the
     Triton program (JDS41_TOPK_KERNEL: layers/topk_kernel.py), whether attention is (JDS41_ATTN_KERNEL:
@@ -125,7 +124,7 @@ def kernel_ab() -> dict:
             "kernel_splits": {t.name: v for t, v in triton_matvec.SPLITS.items()},
             "measured_tiles": len(triton_matvec.MEASURED_TILES), "planar_q2k": planar.regrouped(T.Q2_K),
             "int8_types": sorted(t.name for t in int8_act.INT8_TYPES), "int8_q8_0_form": triton_int8._Q8_0_FORM,
-            "int8_iq2_signs": triton_int8._IQ2_SIGNS, "int8_q2_k_form": triton_int8._Q2_K_FORM,
+            "int8_q2_k_form": triton_int8._Q2_K_FORM,
             "int8_round_kernel": int8_round_kernel.ENABLED, "shared_launch": qtensor._SHARED_LAUNCH,
             "topk_kernel": topk_kernel.ENABLED, "attn_kernel": attention_kernel.ENABLED,
             "attn_tile": attention_kernel.TILE, "attn_dot": attention_kernel.DOT,

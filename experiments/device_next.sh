@@ -58,17 +58,14 @@
 #                                             # tests, then decode ABAB of the defaults against JDS41_CO_LAUNCH=0
 #                                             # and against that with the shared gate/up at its sweep's 8 warps
 #                                             # (the tile before 47db046), a profile an arm (decode-ab), ~9 min
-#   bash experiments/device_next.sh iq2-signs # IQ2_XXS's sign bytes from the index's parity (one popc) against the
-#                                             # 128-byte table (JDS41_INT8_IQ2_SIGNS=parity, quant/triton_int8.py):
-#                                             # its GPU bit test, the gate/up product alone in each form, then
-#                                             # decode ABAB and a profile an arm (decode-ab), ~8 min
-#   bash experiments/device_next.sh q2k-packs # Q2_K's int8 step with the f32 kernel's load and a pack of four code
-#                                             # bytes as one register (JDS41_INT8_Q2_K_FORM=packs) against words
-#                                             # assembled from four byte loads: GPU test, W_down alone in each
-#                                             # form, decode ABAB and a profile an arm (decode-ab), ~8 min
+#   bash experiments/device_next.sh q2k-packs # Q2_K's int8 step by packs (JDS41_INT8_Q2_K_FORM=packs; 0f9b21a on an
+#                                             # H100: W_down's co-launch 28.41 against 29.76 us, the same
+#                                             # predictions) against words, the default: GPU test, W_down alone in
+#                                             # each form, decode ABAB and a profile an arm, ~5 min
 #   bash experiments/device_next.sh v4-int8   # V4-Flash's MXFP4 experts under the int8 numerics (dp4a, as llama.cpp's
-#                                             # CUDA backend computes them): GPU tests, then 8 layers int8 and f32,
-#                                             # ~8 min; V4_INT8_PART=tests: the tests and the products alone;
+#                                             # CUDA backend computes them): GPU tests, then 8 layers int8 and f32
+#                                             # and an int8 profile, ~5 min (0f9b21a on an H100: 525.1 against
+#                                             # 446.6 tok/s); V4_INT8_PART=tests: the tests and the products alone;
 #                                             # V4_INT8_PART=decode: the decode pair(s) alone
 #   bash experiments/device_next.sh v4        # V4-Flash 8 layers resident (MXFP4 experts), the peer table's shape
 #                                             # (llama.cpp 337 tok/s), last measured at e8e7bb3: defaults, then the
@@ -202,16 +199,6 @@ case "${1:-}" in
     python3 -m pytest -q -m gpu tests/test_co_launch.py -p no:cacheprovider > "$OUT/co_launch_gpu_tests.txt" 2>&1 || true
     tail -3 "$OUT/co_launch_gpu_tests.txt"
     AB_ON="JDS41_CO_LAUNCH=0" AB_ON2="JDS41_CO_LAUNCH=0 JDS41_TILES=Q8_0:1:2304:5120=16,8,8,5" bash "$0" decode-ab ;;
-  iq2-signs)  # IQ2_XXS's sign bytes computed (JDS41_INT8_IQ2_SIGNS=parity) against looked up: GPU bit test, the
-    # gate/up product alone in each form, then decode ABAB (decode-ab)
-    python3 -m pytest -q -m gpu tests/test_int8_numerics.py -k sign_forms -p no:cacheprovider \
-      > "$OUT/iq2_signs_gpu_tests.txt" 2>&1 || true
-    tail -3 "$OUT/iq2_signs_gpu_tests.txt"
-    for form in table parity; do
-      JDS41_INT8_IQ2_SIGNS=$form python3 experiments/bench_kernels.py --shapes v41-experts-gate-up \
-        --out "$OUT/bench_kernels_iq2_signs.jsonl" || true
-    done
-    AB_ON="JDS41_INT8_IQ2_SIGNS=parity" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-300} bash "$0" decode-ab ;;
   q2k-packs)  # Q2_K's int8 step by packs (JDS41_INT8_Q2_K_FORM=packs) against words: GPU test, the routed W_down
     # product alone in each form, then decode ABAB (decode-ab)
     python3 -m pytest -q -m gpu tests/test_int8_numerics.py -k q2_k -p no:cacheprovider -rf --tb=short \
@@ -259,6 +246,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|iq2-signs|q2k-packs|v4-int8|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|q2k-packs|v4-int8|v4" >&2
     exit 2 ;;
 esac

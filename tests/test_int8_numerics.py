@@ -102,8 +102,9 @@ def test_prmt_spelled_in_shifts_is_ptxs_byte_permute():
 
 def _run_ptx(asm: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Execute the straight-line PTX of an inline-assembly block over numpy uint32 lanes: the opcodes the MXFP4
-    and Q2_K pack steps use (mov, and, or, shr.u32, prmt.b32 in its default mode as `_numpy_prmt`, dp4a.s32.s32), registers by
-    name ($0..$n and declared ones), immediates in hex or decimal. Anything else fails the test."""
+    and Q2_K pack steps use (mov, and, or, shr.u32, prmt.b32 in its default mode as `_numpy_prmt`,
+    dp4a.s32.s32), registers by name ($0..$n and declared ones), immediates in hex or decimal. Anything else fails
+    the test."""
     regs = {k: np.asarray(v).astype(np.int64).astype(np.uint32) for k, v in inputs.items()}
 
     def val(tok):
@@ -188,12 +189,11 @@ def test_the_q2_k_pack_assembly_gives_gguf_pys_codes():
     np.testing.assert_array_equal(np.asarray(plain).sum(axis=1), want)
 
 
-@pytest.mark.parametrize("signs", ["table", "parity"])
-def test_every_grid_entry_and_sign_index_gives_gguf_pys_signed_octet(signs):
+def test_every_grid_entry_and_sign_index_gives_gguf_pys_signed_octet():
     """The IQ2_XXS octet step (`_octets`: codes and sign bits to selector nibbles, signed bytes picked by byte
     permutes, two dp4a) over all 256 grid entries x 128 sign indices, with x = one-hot per value, against gguf-py's
     grid and ksigns: each value of every octet comes out as gguf-py's signed grid value, with the sign bytes looked
-    up or computed from the index's parity."""
+    up in the 128-byte table."""
     iq = gguf.quants.IQ2_XXS
     iq.init_grid()
     grid = np.asarray(iq.grid, np.int64).reshape(256, 8)
@@ -207,28 +207,8 @@ def test_every_grid_entry_and_sign_index_gives_gguf_pys_signed_octet(signs):
         xl, xh = (jnp.asarray(np.full(idx.size, v, np.int32)) for v in one_hot.view(np.int32))
         got[:, k] = np.asarray(_octets(jnp.asarray(idx, jnp.int32), jnp.asarray(s7, jnp.int32), xl, xh,
                                        jnp.asarray(IQ2XXS_PACKED_GRID), jnp.asarray(IQ2XXS_SIGN_BYTES),
-                                       dp4a=_dp4a_plain, prmt=_prmt_plain, signs=signs))
+                                       dp4a=_dp4a_plain, prmt=_prmt_plain))
     np.testing.assert_array_equal(got, want)
-
-
-@pytest.mark.parametrize("layout", ["ggml", "planar"])
-def test_both_iq2_xxs_sign_forms_give_the_same_bits(monkeypatch, layout):
-    """IQ2_XXS's sign bytes looked up or computed (JDS41_INT8_IQ2_SIGNS, read at import: set on the module and
-    traced afresh past the jit cache) are the same bytes, so the kernel's bits are the same, and near the float64
-    reference's values."""
-    rng = np.random.default_rng(10)
-    raw = random_quantized(rng, T.IQ2_XXS, (4, 16, 1024))
-    idx = np.array([2, 0, 3], np.int32)
-    x = rng.standard_normal((3, 1024)).astype(np.float32)
-    q, d = round_int8(jnp.asarray(x))
-    rows = jnp.asarray(to_planar(raw, T.IQ2_XXS) if layout == "planar" else raw)
-    got = {}
-    for form in ("table", "parity"):
-        monkeypatch.setattr(triton_int8, "_IQ2_SIGNS", form)
-        got[form] = np.asarray(triton_int8.rows_matvec_int8.__wrapped__(
-            q, d, rows, jnp.asarray(idx), T.IQ2_XXS, layout, interpret=True))
-    np.testing.assert_array_equal(got["table"], got["parity"])
-    assert _rel(got["parity"], _reference(x, raw, idx, T.IQ2_XXS)) < 1e-6
 
 
 @pytest.mark.parametrize("qtype", [T.IQ2_XXS, T.Q2_K, T.Q8_0, T.MXFP4])
@@ -318,9 +298,10 @@ def test_the_q2_k_packs_form_lowers_its_assembly_for_cuda(monkeypatch):
 
 @pytest.mark.parametrize("x_rows", [1, 3])
 def test_the_interpreted_q2_k_packs_kernel_equals_the_reference(monkeypatch, x_rows):
-    """The whole packs-form kernel in Pallas' interpreter (the form set on the module and traced afresh) against
-    the float64 reference, in three tiles. (Its bits may differ from the words form's on XLA:CPU, which contracts
-    the shared float steps into fused multiply-adds as each program's fusion happens to allow.)"""
+    """The whole packs-form kernel (JDS41_INT8_Q2_K_FORM=packs; the words form, the default, runs in the test
+    above) in Pallas' interpreter, the form set on the module and traced afresh, against the float64 reference in
+    three tiles. (On XLA:CPU its bits may differ from the words form's: XLA contracts the shared float steps into
+    fused multiply-adds as each program's fusion happens to allow.)"""
     monkeypatch.setattr(triton_int8, "_Q2_K_FORM", "packs")
     rng = np.random.default_rng(14)
     raw = random_quantized(rng, T.Q2_K, (4, 24, 1024))
@@ -423,21 +404,6 @@ def test_the_compiled_int8_kernel_agrees_with_the_xla_product_on_the_gpu(qtype, 
     got = np.asarray(jax.jit(lambda q, d, r, i: rows_matvec_int8(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
     want = np.asarray(jax.jit(lambda q, d, r, i: xla_int8_rows_matvec(q, d, r, i, qtype, "planar"))(q, d, rows, idx))
     assert np.isfinite(got).all() and _rel(got, want.astype(np.float64)) < 1e-5
-
-
-@pytest.mark.gpu
-def test_the_compiled_iq2_xxs_sign_forms_give_the_same_bits_on_the_gpu(monkeypatch):
-    rng = np.random.default_rng(11)
-    rows = jax.device_put(to_planar(random_quantized(rng, T.IQ2_XXS, (8, 2304, 5120)), T.IQ2_XXS))
-    idx = jnp.asarray(rng.integers(0, 8, 6), jnp.int32)
-    q, d = round_int8(jnp.asarray(rng.standard_normal((1, 5120)), jnp.float32))
-    got = {}
-    for form in ("table", "parity"):
-        monkeypatch.setattr(triton_int8, "_IQ2_SIGNS", form)
-        product = jax.jit(lambda q, d, r, i: triton_int8.rows_matvec_int8.__wrapped__(q, d, r, i, T.IQ2_XXS))
-        got[form] = np.asarray(product(q, d, rows, idx))
-    assert np.isfinite(got["table"]).all()
-    np.testing.assert_array_equal(got["table"], got["parity"])
 
 
 @pytest.mark.gpu

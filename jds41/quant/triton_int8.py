@@ -24,11 +24,15 @@ on an H100, the same predictions; a 1 KB grid table already in nibbles saved the
 Q2_K (planar rows only): a sub-block's 16 codes are one word, code u of each byte at bits 2u, so (word >> 2u) &
 0x03030303 holds four codes as bytes, and x is read crumb-major (`_crumb_major`: value 4t + u of a block at
 64u + t) so those four values' x bytes are one word. The sums of x per sub-block (for the mins) are dp4a with
-0x01010101. Two forms (JDS41_INT8_Q2_K_FORM, read at import, for the A/B): "words" assembles each word from four
-byte loads (three shifts and three ors); "packs" (since the forty-second session, not yet run on a GPU) takes the
-f32 kernel's load, whose last axis is a sub-block's four bytes, and hands each thread's pack of four to inline
-assembly as one register (`_Q2_K_PACK_ASM`: four shift-and-mask and dp4a), x as int8 values. Both hand the same
-integer sums to the same float steps (`_q2_k_sums`).
+0x01010101. Two forms (JDS41_INT8_Q2_K_FORM, read at import, for the A/B): "words", the default, assembles each
+word from four byte loads (three shifts and three ors); "packs" takes the f32 kernel's load, whose last axis is a
+sub-block's four bytes, and hands each thread's pack of four to inline assembly as one register
+(`_Q2_K_PACK_ASM`: four shift-and-mask and dp4a), x as int8 values. Both hand the same integer sums to the same
+float steps (`_q2_k_sums`). On an H100 the packs took V4.1's W_down co-launch from 29.76 to 28.41 us a layer with
+the same predictions (results/profile_decode_q2k_packs42_v41_4L_h100.jsonl), but in Pallas' interpreter a
+co-launched packs program no longer gives its own launch's bits (XLA:CPU contracts its float steps into fused
+multiply-adds differently inside the co-launch's branch), so the CPU tests could not check the engine's
+equalities with it, and it stays a switch.
 
 MXFP4 (either layout; V4-Flash's experts, since the forty-first session): one piece of inline assembly a pack of four
 quant bytes picks each value's doubled e2m1 integer from tables held in registers by byte permutes and dots the low
@@ -65,10 +69,6 @@ _Q8_0_FORM = os.environ.get("JDS41_INT8_Q8_0_FORM", "packs")
 # Q2_K's step: "words" (each sub-block's word assembled from its four loaded bytes) or "packs" (the f32 kernel's
 # load, a thread's pack of four bytes handed to inline assembly as one register); read at import, for the A/B
 _Q2_K_FORM = os.environ.get("JDS41_INT8_Q2_K_FORM", "words")
-# IQ2_XXS's sign bytes: "table" looks each up in the 128-byte table, "parity" computes ggml's bit 7 (the parity
-# of the seven stored bits) by one population count, so an octet makes one gather (the grid's) instead of two;
-# read at import, for the A/B (the same bytes either way)
-_IQ2_SIGNS = os.environ.get("JDS41_INT8_IQ2_SIGNS", "table")
 _BYTE_ONES = np.int32(0x01010101)
 # prmt's eight source bytes (first word bytes 0-3, second 4-7): the grid magnitudes 8, 25, 43 at bytes 0-2 and their
 # negatives at bytes 4-6, so selector nibble code + 4 * negative picks a value's signed byte
@@ -220,18 +220,14 @@ def _nibble_signs(s):
     return ((t | (t << 3)) & 0x11111111) << 2
 
 
-def _parity_sign_bytes(s7):
-    """Seven-bit sign indices -> ggml's sign bytes: bit 7 set where the seven bits hold an odd count (the octet's
-    signs have even parity), as IQ2XXS_SIGN_BYTES holds them."""
-    return s7 | ((lax.population_count(s7) & 1) << 7)
-
-
-def _octets(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a, prmt, signs=_IQ2_SIGNS):
-    """The octets' integer dot products from the packed grid (2-bit codes) and sign bytes (`signs`: looked up in
-    signs_ref or computed, `_IQ2_SIGNS`): each value's selector nibble is its code plus 4 where negative, prmt picks
-    its signed byte from `_SIGNED_MAGNITUDES`, and the octet is two dp4a of those ready signed words."""
+def _octets(idx, s7, xl, xh, codes_ref, signs_ref, *, dp4a, prmt):
+    """The octets' integer dot products from the packed grid (2-bit codes) and sign bytes (looked up in signs_ref):
+    each value's selector nibble is its code plus 4 where negative, prmt picks its signed byte from
+    `_SIGNED_MAGNITUDES`, and the octet is two dp4a of those ready signed words. (Computing the sign byte from the
+    index's parity by one population count, in place of the table's gather, gained nothing on an H100: 46.96
+    against 45.61 us a gate/up co-launch, forty-second session.)"""
     p = codes_ref[idx].astype(jnp.int32)  # [BO, NB, 8, 4]: value k's code at bits 2k
-    sign_bytes = _parity_sign_bytes(s7) if signs == "parity" else signs_ref[s7].astype(jnp.int32)
+    sign_bytes = signs_ref[s7].astype(jnp.int32)
     sel = _nibble_codes(p) | _nibble_signs(sign_bytes)
     lo, hi = (jnp.full(p.shape, v, jnp.int32) for v in _SIGNED_MAGNITUDES)
     # sel's top nibble is at most 6, so the arithmetic shift brings values 4-7's selectors down as they are
@@ -372,8 +368,7 @@ def int8_job(q_XI: jax.Array, d_XC: jax.Array, raw_EOR, idx_K: jax.Array, qtype,
     x_in = None  # x as the step reads it: words of four values unless set
     if qtype == T.IQ2_XXS:
         load = functools.partial(tm._load_iq2_xxs, planar=layout == "planar", n_in=n_in)
-        octets = functools.partial(_octets, dp4a=dp4a, prmt=_prmt_plain if interpret else _prmt_asm,
-                                   signs=_IQ2_SIGNS)
+        octets = functools.partial(_octets, dp4a=dp4a, prmt=_prmt_plain if interpret else _prmt_asm)
         dot = functools.partial(_dot_iq2_xxs_int8, octets=octets)
         extra = tuple(jnp.asarray(a) for a in (d_XC.astype(np.float32), IQ2XXS_PACKED_GRID, tm.IQ2XXS_SIGN_BYTES))
     elif qtype == T.MXFP4:
