@@ -111,10 +111,11 @@ def kernel_ab() -> dict:
     whether its rounding is one Triton launch (JDS41_INT8_ROUND_KERNEL: quant/int8_round_kernel.py), whether a gate
     and an up product share a launch (JDS41_SHARED_LAUNCH: quant/qtensor.py), whether the router's top-K is the
     Triton program (JDS41_TOPK_KERNEL: layers/topk_kernel.py), whether attention is (JDS41_ATTN_KERNEL:
-    layers/attention_kernel.py) and whether V4.1's sublayer inputs are (JDS41_MHC_KERNEL:
-    layers/mhc_input_kernel.py) and whether the shared expert and the latent run on a second stream, and by which
-    form of compute_on (JDS41_SIDE_STREAM: layers/side_stream.py), whether the routed and shared experts' products
-    share launches (JDS41_CO_LAUNCH: quant/co_launch.py) and the tiles JDS41_TILES set (quant/triton_matvec.py)."""
+    layers/attention_kernel.py) and whether V4.1's and V4's sublayer inputs are (JDS41_MHC_KERNEL,
+    JDS41_MHC_KERNEL_V4: layers/mhc_input_kernel.py) and whether the shared expert and the latent run on a second
+    stream, and by which form of compute_on (JDS41_SIDE_STREAM: layers/side_stream.py), whether the routed and
+    shared experts' products share launches (JDS41_CO_LAUNCH: quant/co_launch.py) and the tiles JDS41_TILES set
+    (quant/triton_matvec.py)."""
     from gguf import GGMLQuantizationType as T
 
     from jds41.layers import attention_kernel, mhc_input_kernel, side_stream, topk_kernel
@@ -128,7 +129,8 @@ def kernel_ab() -> dict:
             "int8_round_kernel": int8_round_kernel.ENABLED, "shared_launch": qtensor._SHARED_LAUNCH,
             "topk_kernel": topk_kernel.ENABLED, "attn_kernel": attention_kernel.ENABLED,
             "attn_tile": attention_kernel.TILE, "attn_dot": attention_kernel.DOT,
-            "mhc_kernel": mhc_input_kernel.ENABLED, "side_stream": side_stream.MECHANISM,
+            "mhc_kernel": mhc_input_kernel.ENABLED, "mhc_v4_kernel": mhc_input_kernel.ENABLED_V4,
+            "side_stream": side_stream.MECHANISM,
             "co_launch": co_launch.ENABLED, "tiles_set": os.environ.get("JDS41_TILES", "")}
 
 

@@ -62,6 +62,10 @@
 #                                             # H100: W_down's co-launch 28.41 against 29.76 us, the same
 #                                             # predictions) against words, the default: GPU test, W_down alone in
 #                                             # each form, decode ABAB and a profile an arm, ~5 min
+#   bash experiments/device_next.sh mhc-v4    # V4's unlagged sublayer inputs in three launches
+#                                             # (layers/mhc_input_kernel.py, JDS41_MHC_KERNEL_V4=1, opt-in until
+#                                             # timed) against XLA's ~9 kernels a sublayer: GPU tests, V4-Flash
+#                                             # 8 layers int8 AB, a profile an arm, ~7 min
 #   bash experiments/device_next.sh v4-int8   # V4-Flash's MXFP4 experts under the int8 numerics (dp4a, as llama.cpp's
 #                                             # CUDA backend computes them): GPU tests, then 8 layers int8 and f32
 #                                             # and an int8 profile, ~5 min (0f9b21a on an H100: 525.1 against
@@ -209,6 +213,25 @@ case "${1:-}" in
         --out "$OUT/bench_kernels_q2k_packs.jsonl" || true
     done
     AB_ON="JDS41_INT8_Q2_K_FORM=packs" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-300} bash "$0" decode-ab ;;
+  mhc-v4)  # V4's unlagged sublayer inputs as three launches (JDS41_MHC_KERNEL_V4=1) against XLA's ~9 kernels: the
+    # GPU tests, V4-Flash 8 layers int8 AB pairs while SECONDS < MHC_V4_UNTIL_S (0: one pair), then a profile an
+    # arm if SECONDS < MHC_V4_PROFILE_BEFORE_S (400)
+    python3 -m pytest -q -m gpu tests/test_mhc_input_kernel.py -p no:cacheprovider -rf --tb=short \
+      > "$OUT/mhc_v4_gpu_tests.txt" 2>&1 || true
+    tail -3 "$OUT/mhc_v4_gpu_tests.txt"
+    v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
+        --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_mhc_v4_8L.jsonl")
+    while true; do
+      python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the 28 GB file
+      JDS41_MHC_KERNEL_V4=1 python3 experiments/bench_decode.py "${v4[@]}"
+      (( SECONDS < ${MHC_V4_UNTIL_S:-0} )) || break
+    done
+    if (( SECONDS < ${MHC_V4_PROFILE_BEFORE_S:-400} )); then
+      for on in 0 1; do
+        JDS41_MHC_KERNEL_V4=$on python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 \
+          --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_mhc_v4_8L.jsonl" || true
+      done
+    fi ;;
   v4-int8)  # V4-Flash's MXFP4 experts under the int8 numerics (their products the dp4a kernel, quant/triton_int8.py)
     # V4_INT8_PART=tests: the int8 GPU tests and V4's co-launch bit test, then the expert products alone in both
     # numerics (bench_kernels' "triton" and "int8" paths); V4_INT8_PART=decode: 8 layers resident, int8 then f32
@@ -246,6 +269,6 @@ case "${1:-}" in
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|q2k-packs|v4-int8|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|q2k-packs|mhc-v4|v4-int8|v4" >&2
     exit 2 ;;
 esac

@@ -246,17 +246,19 @@ def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H):
     """One row's sublayer input from the stream x [H, D]: (h [D] its normed input, pre, post, comb), every path's
     (decode, prefill, layer-major groups, verify rows). The collapse takes the handed-over `pre_prev_H` (V4.1's lag)
     or this sublayer's own pre (V4). (Two fused Triton forms of this chain ran slower than XLA's ten kernels on the
-    H200: experiments/README.md, twenty-fourth session; under the lag, layers/mhc_input_kernel.py's three launches
-    won on an H100 in the thirty-sixth and run on CUDA unless JDS41_MHC_KERNEL=0.)"""
+    H200: experiments/README.md, twenty-fourth session; under the lag, layers/mhc_input_kernel.py's two launches
+    won on an H100 in the thirty-sixth and run on CUDA unless JDS41_MHC_KERNEL=0; V4's three launches, unlagged,
+    built in the forty-second session, are opt-in until timed: JDS41_MHC_KERNEL_V4=1.)"""
     def xla(x_HD, pre_prev_H):
         pre, post, comb = _sublayer_mix(cfg, w, branch, x_HD)
         h = rms_norm(hc_collapse(x_HD, pre_prev_H if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
         return h, pre, post, comb
 
-    if cfg.hc_lag and mhc_input_kernel.applies(cfg.hc_mult, cfg.dim, cfg.hc_mix):
+    if mhc_input_kernel.applies(cfg.hc_mult, cfg.dim, cfg.hc_mix, lagged=cfg.hc_lag):
         return mhc_input_kernel.sublayer_input(
-            x_HD, pre_prev_H, w[f"hc_{branch}_fn"], w[f"hc_{branch}_scale"], w[f"hc_{branch}_base"],
-            w[f"{branch}_norm"], rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, default=xla)
+            x_HD, pre_prev_H if cfg.hc_lag else None, w[f"hc_{branch}_fn"], w[f"hc_{branch}_scale"],
+            w[f"hc_{branch}_base"], w[f"{branch}_norm"], rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps,
+            iters=cfg.hc_sinkhorn_iters, default=xla)
     return xla(x_HD, pre_prev_H)
 
 

@@ -1,11 +1,12 @@
-"""A V4.1 sublayer's input as three Triton launches (jds41/layers/mhc_input_kernel.py, on by default;
-JDS41_MHC_KERNEL=0 takes XLA's).
+"""A sublayer's input as Triton launches (jds41/layers/mhc_input_kernel.py): V4.1's under the lag in two (on by
+default; JDS41_MHC_KERNEL=0 takes XLA's), V4's unlagged in three (opt-in: JDS41_MHC_KERNEL_V4=1).
 
-On every machine: the three kernels in Pallas' interpreter against the XLA spelling (layers/mhc.py's mix, split and
-collapse, layers/norm.py's norm: the reference) and a float64 numpy re-derivation of MODEL.md §2.1; each row's
-result does not depend on the rows around it (alone, in a block, permuted, under vmap); switched on, V4.1's
+On every machine, both forms: the kernels in Pallas' interpreter against the XLA spelling (layers/mhc.py's mix,
+split and collapse, layers/norm.py's norm: the reference) and a float64 numpy re-derivation of MODEL.md §2.1; each
+row's result does not depend on the rows around it (alone, in a block, permuted, under vmap); switched on,
 `model.sublayer_input` lowers to the kernels for CUDA only, and switched off it does not. On a GPU (marker `gpu`):
-the compiled kernels against the XLA spelling at V4.1's shape, and a row alone against the same row in a block.
+the compiled kernels against the XLA spelling at V4.1's and V4's shapes, and a row alone against the same row in a
+block.
 """
 
 from __future__ import annotations
@@ -39,16 +40,19 @@ def _inputs(n: int, d: int, seed: int = 0):
 
 
 def _xla(x, pre_prev, fn, scale, base, norm, iters):
-    """The reference: mhc's XLA spelling, row by row."""
+    """The reference: mhc's XLA spelling, row by row; `pre_prev` None: each row's own pre collapses (V4)."""
     def row(x_HD, p):
         pre, post, comb = hc_split(hc_mix(x_HD, fn, RMS_EPS), scale, base, HC_EPS, iters)
-        return rms_norm(hc_collapse(x_HD, p), norm, RMS_EPS), pre, post, comb
+        return rms_norm(hc_collapse(x_HD, pre if p is None else p), norm, RMS_EPS), pre, post, comb
+    if pre_prev is None:
+        return jax.jit(jax.vmap(lambda x_HD: row(x_HD, None)))(jnp.asarray(x))
     return jax.jit(jax.vmap(row))(jnp.asarray(x), jnp.asarray(pre_prev))
 
 
 def _numpy(x, pre_prev, fn, scale, base, norm, iters):
-    """MODEL.md §2.1 in float64: RMS-normalised flat stream, the mix, the split with Sinkhorn, the lagged collapse."""
-    x, pre_prev, fn, scale, base, norm = (np.asarray(a, np.float64) for a in (x, pre_prev, fn, scale, base, norm))
+    """MODEL.md §2.1 in float64: RMS-normalised flat stream, the mix, the split with Sinkhorn, the collapse (with
+    the lagged pre, or with the row's own where `pre_prev` is None)."""
+    x, fn, scale, base, norm = (np.asarray(a, np.float64) for a in (x, fn, scale, base, norm))
     n = x.shape[0]
     flat = x.reshape(n, -1)
     mix = (flat / np.sqrt((flat ** 2).mean(1, keepdims=True) + RMS_EPS)) @ fn.T  # [n, 24]
@@ -56,21 +60,29 @@ def _numpy(x, pre_prev, fn, scale, base, norm, iters):
     pre = sig(mix[:, :4] * scale[0] + base[:4]) + HC_EPS
     post = 2 * sig(mix[:, 4:8] * scale[1] + base[4:8])
     c = numpy_sinkhorn((mix[:, 8:] * scale[2] + base[8:]).reshape(n, 4, 4), HC_EPS, iters)
-    y = np.einsum("nh,nhd->nd", pre_prev, x)
+    y = np.einsum("nh,nhd->nd", pre if pre_prev is None else np.asarray(pre_prev, np.float64), x)
     h = y / np.sqrt((y ** 2).mean(1, keepdims=True) + RMS_EPS) * norm
     return h, pre, post, c
 
 
 def _kernel(args, iters, **layout):
     x, pre_prev, fn, scale, base, norm = args
-    return sublayer_input_rows(jnp.asarray(x), jnp.asarray(pre_prev), jnp.asarray(fn), jnp.asarray(scale),
+    pre_prev = None if pre_prev is None else jnp.asarray(pre_prev)
+    return sublayer_input_rows(jnp.asarray(x), pre_prev, jnp.asarray(fn), jnp.asarray(scale),
                                jnp.asarray(base), jnp.asarray(norm), rms_eps=RMS_EPS, hc_eps=HC_EPS, iters=iters,
                                interpret=True, **layout)
 
 
+def _unlagged(args):
+    """V4's inputs: no handed-over pre."""
+    return [args[0], None, *args[2:]]
+
+
+@pytest.mark.parametrize("lag", ["lagged", "unlagged"])
 @pytest.mark.parametrize("most_cols", [128, 32])
-def test_the_interpreted_kernels_equal_the_xla_spelling_and_a_float64_rederivation(most_cols):
-    args = _inputs(3, 384)  # three `_partials` programs of 128 columns (twelve of 32)
+def test_the_interpreted_kernels_equal_the_xla_spelling_and_a_float64_rederivation(most_cols, lag):
+    args = _inputs(3, 384)  # three first-launch programs of 128 columns (twelve of 32)
+    args = args if lag == "lagged" else _unlagged(args)
     got = [np.asarray(a) for a in _kernel(args, 20, most_cols=most_cols)]
     for name, g, x, ref in zip(("h", "pre", "post", "comb"), got, _xla(*args, 20), _numpy(*args, 20)):
         scale = np.abs(ref).max()
@@ -86,53 +98,63 @@ def test_a_layout_the_kernels_cannot_take_is_refused():
             _kernel(_inputs(1, 128), 3, **layout)
 
 
-def test_a_rows_input_does_not_depend_on_the_rows_around_it():
+@pytest.mark.parametrize("lag", ["lagged", "unlagged"])
+def test_a_rows_input_does_not_depend_on_the_rows_around_it(lag):
     iters = 3  # the property does not depend on Sinkhorn's round count; fewer rounds run faster interpreted
-    args = _inputs(5, 192, seed=1)  # three programs of 64 columns
-    block = [np.asarray(a) for a in _kernel(args, iters)]
+    args = list(_inputs(5, 192, seed=1))  # three programs of 64 columns; for V4, args[1] is sliced but unused
+    run = (lambda a: _kernel(a, iters)) if lag == "lagged" else (lambda a: _kernel(_unlagged(a), iters))  # noqa: E731
+    block = [np.asarray(a) for a in run(args)]
     perm = np.array([3, 0, 4, 1, 2])
-    for got, want in zip(_kernel([args[0][perm], args[1][perm], *args[2:]], iters), block):
+    for got, want in zip(run([args[0][perm], args[1][perm], *args[2:]]), block):
         np.testing.assert_array_equal(np.asarray(got), want[perm])
     for r in (0, 4):
-        alone = _kernel([args[0][r:r + 1], args[1][r:r + 1], *args[2:]], iters)
+        alone = run([args[0][r:r + 1], args[1][r:r + 1], *args[2:]])
         for got, want in zip(alone, block):
             np.testing.assert_array_equal(np.asarray(got)[0], want[r])
     x, pre_prev, fn, scale, base, norm = (jnp.asarray(a) for a in args)
-    vm = jax.vmap(lambda xr, pr: _kernel([xr[None], pr[None], fn, scale, base, norm], iters))(x, pre_prev)
+    vm = jax.vmap(lambda xr, pr: run([xr[None], pr[None], fn, scale, base, norm]))(x, pre_prev)
     for got, want in zip(vm, block):
         np.testing.assert_array_equal(np.asarray(got)[:, 0], want)
 
 
+@pytest.mark.parametrize("lag", ["lagged", "unlagged"])
 @pytest.mark.parametrize("enabled", [True, False])
-def test_v41s_sublayer_input_lowers_to_the_kernels_on_cuda_only_when_switched_on(monkeypatch, enabled):
-    monkeypatch.setattr(mhc_input_kernel, "ENABLED", enabled)
+def test_the_sublayer_input_lowers_to_the_kernels_on_cuda_only_when_switched_on(monkeypatch, enabled, lag):
+    """V4.1's (lagged) under JDS41_MHC_KERNEL, V4's (unlagged) under JDS41_MHC_KERNEL_V4 as well."""
+    lagged = lag == "lagged"
+    monkeypatch.setattr(mhc_input_kernel, "ENABLED", True if not lagged else enabled)
+    monkeypatch.setattr(mhc_input_kernel, "ENABLED_V4", enabled)
     d = 64
-    cfg = type("Cfg", (), {"hc_lag": True, "hc_mult": 4, "dim": d, "hc_mix": 24, "rms_eps": RMS_EPS,
+    cfg = type("Cfg", (), {"hc_lag": lagged, "hc_mult": 4, "dim": d, "hc_mix": 24, "rms_eps": RMS_EPS,
                            "hc_eps": HC_EPS, "hc_sinkhorn_iters": 3})()
     _, _, fn, scale, base, norm = _inputs(1, d)
     w = {"hc_attn_fn": fn, "hc_attn_scale": scale, "hc_attn_base": base, "attn_norm": norm}
     x = jax.ShapeDtypeStruct((4, d), jnp.float32)
     p = jax.ShapeDtypeStruct((4,), jnp.float32)
     run = lambda x_HD, pre: model.sublayer_input(cfg, w, "attn", x_HD, pre)  # noqa: E731
+    names = ("mhc_input_partials", "mhc_input_normed_split") if lagged else (
+        "mhc_input_mix_partials", "mhc_input_split_collapse", "mhc_input_normed")
     for platform, sinkhorn_only in (("cuda", not enabled), ("cpu", None)):
         text = jax.jit(run).trace(x, p).lower(lowering_platforms=(platform,)).as_text()
         if platform == "cpu":
             assert TRITON_CALL not in text
         else:  # switched off, the only Triton call is hc_split's Sinkhorn kernel
-            assert ("mhc_input_partials" in text) is enabled and (TRITON_CALL in text)
-            assert ("mhc_input_normed_split" in text) is enabled
+            assert TRITON_CALL in text and all((f'"{name}"' in text) is enabled for name in names)
             assert ("mhc_sinkhorn" in text) is sinkhorn_only
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", [{}, {"most_cols": 32, "partial_warps": 1}], ids=["default", "32-cols-1-warp"])
-def test_the_compiled_kernels_agree_with_the_xla_spelling_on_the_gpu(layout):
-    args = _inputs(4, 5120, seed=2)
-    run = lambda a: sublayer_input_rows(*(jnp.asarray(v) for v in a), rms_eps=RMS_EPS, hc_eps=HC_EPS,  # noqa: E731
-                                        iters=20, **layout)
+@pytest.mark.parametrize("shape", ["v41", "v4"])
+def test_the_compiled_kernels_agree_with_the_xla_spelling_on_the_gpu(layout, shape):
+    args = _inputs(4, 5120 if shape == "v41" else 4096, seed=2)
+    if shape == "v4":
+        args = _unlagged(args)
+    run = lambda a: sublayer_input_rows(*(None if v is None else jnp.asarray(v) for v in a),  # noqa: E731
+                                        rms_eps=RMS_EPS, hc_eps=HC_EPS, iters=20, **layout)
     got = [np.asarray(a) for a in run(args)]
     for name, g, x in zip(("h", "pre", "post", "comb"), got, _xla(*args, 20)):
         np.testing.assert_allclose(g, np.asarray(x), rtol=0, atol=1e-5 * np.abs(np.asarray(x)).max(), err_msg=name)
-    alone = run([args[0][2:3], args[1][2:3], *args[2:]])
+    alone = run([args[0][2:3], None if args[1] is None else args[1][2:3], *args[2:]])
     for g, a in zip(got, alone):
         np.testing.assert_array_equal(np.asarray(a)[0], g[2])

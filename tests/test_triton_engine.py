@@ -1,20 +1,19 @@
 """The engine's invariances with the Triton MXFP4 kernel doing the one-token products, run on the CPU through Pallas'
 interpreter (JDS41_TRITON=interpret, read at import, so the engine runs in a subprocess): on the GPU the kernel
-replaces XLA's products, and these are the promises that must survive the swap.
-
-In one engine with the kernel (V4.1 tiny, MXFP4 experts and two DSpark stages): a three-tier placement (HBM, pinned
-host, SSD through a 2-slot cache) gives the resident logits bit for bit and the same greedy tokens; the device loop
-gives the step loop's tokens; drafting gives plain greedy decode's tokens, at decode width 1 and at width 4 (the
-vmapped kernel); the wide prompt pass keeps its bits for any cut. Against the XLA engine in this process (the
-reference path): the same logits to f32 rounding, and not the same bits (the kernel really ran). The "attention"
-case runs the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1) under the same promises, and
-the "mhc" case the sublayer inputs' kernels (layers/mhc_input_kernel.py, the default on CUDA; the other cases
-set JDS41_MHC_KERNEL=0), and the "co_launch" case the routed and shared experts' products in shared launches
-(quant/co_launch.py, the default on CUDA, off in the other cases: decode's layers co-launch, the tiered and verify
-paths do not, so their equalities check the co-launch's bits). The "int8" case opens every engine with the int8
-numerics (quant/int8_act.py): the MXFP4 experts' products are then the dp4a kernel's (quant/triton_int8.py),
-co-launched beside the shared expert's f32 Q8_0 product, and the reference is the XLA engine with that numerics.
-"""
+replaces XLA's products, and these are the promises that must survive the swap. In one engine with the kernel (V4.1
+tiny, MXFP4 experts and two DSpark stages): a three-tier placement (HBM, pinned host, SSD through a 2-slot cache)
+gives the resident logits bit for bit and the same greedy tokens; the device loop gives the step loop's tokens;
+drafting gives plain greedy decode's tokens, at decode width 1 and at width 4 (the vmapped kernel); the wide prompt
+pass keeps its bits for any cut. Against the XLA engine in this process (the reference path): the same logits to f32
+rounding, and not the same bits (the kernel really ran). The "attention" case runs the attention kernels too
+(layers/attention_kernel.py, JDS41_ATTN_KERNEL=1) under the same promises, and the "mhc" case the sublayer inputs'
+kernels (layers/mhc_input_kernel.py, the default on CUDA; the other cases set JDS41_MHC_KERNEL=0), the "mhc_v4" case
+V4's unlagged form of them in a V4 engine (opt-in on CUDA), and the "co_launch" case the routed and shared experts'
+products in shared launches (quant/co_launch.py, the default on CUDA, off in the other cases: decode's layers
+co-launch, the tiered and verify paths do not, so their equalities check the co-launch's bits). The "int8" case
+opens every engine with the int8 numerics (quant/int8_act.py): the MXFP4 experts' products are then the dp4a
+kernel's (quant/triton_int8.py), co-launched beside the shared expert's f32 Q8_0 product, and the reference is the
+XLA engine with that numerics."""
 
 from __future__ import annotations
 
@@ -49,7 +48,8 @@ toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
 from jds41.layers import attention_kernel, mhc_input_kernel
 from jds41.quant import co_launch
 res = {"interpret": triton_matvec.INTERPRET, "attention_kernel": attention_kernel.applies(32),
-       "mhc_kernel": mhc_input_kernel.applies(4, 64, 24), "co_launch": co_launch.ENABLED}
+       "mhc_kernel": mhc_input_kernel.applies(4, 64, 24),
+       "mhc_v4_kernel": mhc_input_kernel.applies(4, 64, 24, lagged=False), "co_launch": co_launch.ENABLED}
 e = Engine.open(model, max_ctx=128, prefill_chunk=16, numerics=numerics)
 want = e.session().feed(toks, all_logits=True)
 np.save(out, want)
@@ -75,16 +75,19 @@ print(json.dumps(res))
 # "attention": the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1), vmapped at width 4;
 # "mhc": the sublayer inputs' kernels too (layers/mhc_input_kernel.py; the default on CUDA, off in the others);
 # "co_launch": the routed and shared experts' products in shared launches (quant/co_launch.py, the default on CUDA;
-# the other cases set JDS41_CO_LAUNCH=0); "int8": the int8 numerics, its MXFP4 products co-launched
-@pytest.mark.parametrize("kernels", ["products", "attention", "mhc", "co_launch", "int8"])
+# the other cases set JDS41_CO_LAUNCH=0); "int8": the int8 numerics, its MXFP4 products co-launched; "mhc_v4": a
+# V4 (deepseek4) engine with its unlagged sublayer inputs' three launches (JDS41_MHC_KERNEL_V4=1, opt-in)
+@pytest.mark.parametrize("kernels", ["products", "attention", "mhc", "co_launch", "int8", "mhc_v4"])
 def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
-    model = str(synthetic_model("deepseek41", "tiny", "mxfp4", draft_stages=2))
+    arch = "deepseek4" if kernels == "mhc_v4" else "deepseek41"
+    model = str(synthetic_model(arch, "tiny", "mxfp4", draft_stages=2))
     profile = tmp_path / "split3.json"
     profile.write_text(json.dumps(SPLIT))
     out = tmp_path / "kernel_logits.npy"
     env = {**os.environ, "JDS41_TRITON": "interpret", "JAX_PLATFORMS": "cpu",
            "JDS41_ATTN_KERNEL": "1" if kernels == "attention" else "0",
-           "JDS41_MHC_KERNEL": "1" if kernels == "mhc" else "0",
+           "JDS41_MHC_KERNEL": "1" if kernels in ("mhc", "mhc_v4") else "0",
+           "JDS41_MHC_KERNEL_V4": "1" if kernels == "mhc_v4" else "0",
            "JDS41_CO_LAUNCH": "1" if kernels in ("co_launch", "int8") else "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     numerics = "int8" if kernels == "int8" else "jds41"
@@ -92,7 +95,8 @@ def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_p
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1100)
     assert res.returncode == 0, res.stderr[-4000:]
     checks = json.loads(res.stdout.strip().splitlines()[-1])
-    assert checks == {"interpret": True, "attention_kernel": kernels == "attention", "mhc_kernel": kernels == "mhc",
+    assert checks == {"interpret": True, "attention_kernel": kernels == "attention",
+                      "mhc_kernel": kernels in ("mhc", "mhc_v4"), "mhc_v4_kernel": kernels == "mhc_v4",
                       "co_launch": kernels in ("co_launch", "int8"),
                       "tiered_logits_equal": True,
                       "tiered_tokens_equal": True, "device_loop_equal": True, "draft_equal": True,

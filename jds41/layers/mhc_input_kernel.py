@@ -1,4 +1,5 @@
-"""A V4.1 sublayer's input (model.sublayer_input under the mHC lag) as two Pallas (Triton) launches on the GPU.
+"""A sublayer's input (model.sublayer_input) as Pallas (Triton) launches on the GPU: V4.1's, under the mHC lag, in
+two; V4's, unlagged, in three (opt-in until timed).
 
 Why (experiments/README.md, thirty-fourth session): XLA runs a sublayer's input from its stream x [H, D] (the
 stream's RMS, the mix fn @ x, the split, the Sinkhorn kernel, the collapse, the norm) as eleven kernels of 1-3.3 us,
@@ -15,6 +16,13 @@ read of the stream or of `fn` (1 MB of f16) is spread over D / cols programs, an
    time sums every share in program order, forms mix = (fn @ x) * rsqrt(mean(x^2) + eps) (the reference
    normalises x first: the same value to f32 rounding) and splits it (sigmoid, 2 sigmoid, Sinkhorn by
    sinkhorn_kernel.normalise), its reductions all in its one warp.
+
+V4 (no lag: the collapse takes this sublayer's own pre, so it waits for the mix; XLA ran its input as ~9 kernels,
+~15.6 us a sublayer on an H100, results/profile_decode_v4_int8_42_8L_h100.jsonl) takes three launches with the same
+spread reads: `_mix_partials` (the shares of fn @ x and of sum x^2), `_split_collapse` (every program sums the
+~4 KB of shares and forms pre, by the same code, so the same bits; programs 0 .. P - 1 collapse their columns and
+write their share of sum y^2, program P splits the rest of the mix and runs Sinkhorn) and `_normed` (h's columns).
+JDS41_MHC_KERNEL_V4=1 turns it on.
 
 Each row's arithmetic does not depend on the rows around it (a program reads one row), so decode, verification and
 prefill rows agree exactly on CUDA, as with every kernel here; against the XLA spelling (the reference, every other
@@ -47,6 +55,8 @@ MOST_COLS = 128  # stream columns of every copy a `_partials` program takes, at 
 PAD = 32  # a program's shares: the mix's (2 + H) H = 24 rows, sum x^2 at slot MIX, sum y^2 at MIX + 1, zeros after
 MIX = (2 + H) * H
 ENABLED = os.environ.get("JDS41_MHC_KERNEL", "1") != "0"
+# V4's unlagged three launches: opt-in (JDS41_MHC_KERNEL_V4=1) until a GPU has run them (forty-second session)
+ENABLED_V4 = os.environ.get("JDS41_MHC_KERNEL_V4", "0") == "1"
 
 
 def _ar(n: int) -> jax.Array:
@@ -57,44 +67,87 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int):
-    n, p = pl.program_id(0), pl.program_id(1)
-    at, slot = p * cols + _ar(cols), _ar(PAD)
-    fn_row = jnp.minimum(slot, MIX - 1)[:, None]  # rows past the mix read its last row again; their sums are dropped
-    x = [x_ref[n, i, at] for i in range(H)]  # [cols] each
-    y = pre_ref[n, 0] * x[0]
-    for i in range(1, H):  # hc_collapse's order
-        y = y + pre_ref[n, i] * x[i]
+def _mix_shares(x, fn_ref, at, slot, *, d: int):
+    """A program's shares of fn @ x (slots 0 .. MIX - 1; rows past the mix read its last row again and are dropped
+    by the caller) and of sum x^2, copy by copy: fn's columns i D + c meet x[i, c]."""
+    fn_row = jnp.minimum(slot, MIX - 1)[:, None]
     dots = squares = None
-    for i in range(H):  # copy by copy: fn's columns i D + c meet x[i, c]
+    for i in range(H):
         dot = jnp.sum(fn_ref[fn_row, i * d + at[None, :]].astype(jnp.float32) * x[i][None, :], axis=1)
         square = jnp.sum(x[i] * x[i])
         dots, squares = (dot, square) if dots is None else (dots + dot, squares + square)
+    return dots, squares
+
+
+def _collapse(x, pre):
+    """y = sum_i pre[i] x_i in hc_collapse's order (`pre` a sequence of H scalars)."""
+    y = pre[0] * x[0]
+    for i in range(1, H):
+        y = y + pre[i] * x[i]
+    return y
+
+
+def _partials(x_ref, fn_ref, pre_ref, y_ref, part_ref, *, d: int, cols: int):
+    n, p = pl.program_id(0), pl.program_id(1)
+    at, slot = p * cols + _ar(cols), _ar(PAD)
+    x = [x_ref[n, i, at] for i in range(H)]  # [cols] each
+    y = _collapse(x, [pre_ref[n, i] for i in range(H)])
+    dots, squares = _mix_shares(x, fn_ref, at, slot, d=d)
     zero = jnp.float32(0)
     y_ref[n, at] = y
     part_ref[n, p, slot] = jnp.where(slot < MIX, dots, jnp.where(slot == MIX, squares,
                                                                  jnp.where(slot == MIX + 1, jnp.sum(y * y), zero)))
 
 
-def _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, d: int, programs: int,
-               rms_eps: float, hc_eps: float, iters: int):
-    """Row n's shares summed in program order, the mix, its split and Sinkhorn (pre, post, comb written)."""
-    one, zero, slot = jnp.float32(1), jnp.float32(0), _ar(PAD)
+def _mix_partials(x_ref, fn_ref, part_ref, *, d: int, cols: int):
+    """V4's first launch (no lag, so no collapse yet): a program's shares of fn @ x and of sum x^2."""
+    n, p = pl.program_id(0), pl.program_id(1)
+    at, slot = p * cols + _ar(cols), _ar(PAD)
+    dots, squares = _mix_shares([x_ref[n, i, at] for i in range(H)], fn_ref, at, slot, d=d)
+    part_ref[n, p, slot] = jnp.where(slot < MIX, dots, jnp.where(slot == MIX, squares, jnp.float32(0)))
+
+
+def _row_mix(n, part_ref, *, d: int, programs: int, rms_eps: float):
+    """Row n's shares summed in program order -> `mix(at)`: the mix's values at int32 slots `at` (any shape)."""
+    zero, slot = jnp.float32(0), _ar(PAD)
     at = _ar(_pow2(programs))
     shares = part_ref[n, jnp.minimum(at, programs - 1)[:, None], slot[None, :]]  # [P', PAD]
     sums = jnp.sum(jnp.where((at < programs)[:, None], shares, zero), axis=0)  # [PAD]
 
-    def pick(at_):  # sums at the int32 slots `at_` (any shape), by masked sums over the slots
+    def pick(at_):  # sums at the int32 slots `at_`, by masked sums over the slots
         return jnp.sum(jnp.where(at_[..., None] == slot, sums, zero), axis=-1)
 
     mix_scale = lax.rsqrt(pick(jnp.int32(MIX)) / jnp.float32(H * d) + jnp.float32(rms_eps))
-    mix = lambda at_: pick(at_) * mix_scale  # noqa: E731
-    sigmoid = lambda z: one / (one + jnp.exp(-z))  # noqa: E731
+    return lambda at_: pick(at_) * mix_scale
+
+
+def _sigmoid(z):
+    one = jnp.float32(1)
+    return one / (one + jnp.exp(-z))
+
+
+def _pre(mix, scale_ref, base_ref, hc_eps: float):
+    h_at = _ar(H)
+    return _sigmoid(mix(h_at) * scale_ref[0] + base_ref[h_at]) + jnp.float32(hc_eps)
+
+
+def _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, d: int, programs: int,
+               rms_eps: float, hc_eps: float, iters: int, pre=None):
+    """Row n's mix, its split and Sinkhorn (pre, post, comb written); `pre` if already formed from that mix."""
+    mix = _row_mix(n, part_ref, d=d, programs=programs, rms_eps=rms_eps)
     h_at, src_dst = _ar(H), _ar(H)[:, None] * H + _ar(H)[None, :]
-    pre_ref[n, h_at] = sigmoid(mix(h_at) * scale_ref[0] + base_ref[h_at]) + jnp.float32(hc_eps)
-    post_ref[n, h_at] = 2 * sigmoid(mix(H + h_at) * scale_ref[1] + base_ref[H + h_at])
+    pre_ref[n, h_at] = _pre(mix, scale_ref, base_ref, hc_eps) if pre is None else pre
+    post_ref[n, h_at] = 2 * _sigmoid(mix(H + h_at) * scale_ref[1] + base_ref[H + h_at])
     logits = mix(2 * H + src_dst) * scale_ref[2] + base_ref[2 * H + src_dst]
     comb_ref[n, src_dst] = sinkhorn_kernel.normalise(logits, hc_eps, iters)
+
+
+def _write_normed(n, p, part_ref, y_ref, norm_ref, h_ref, *, d: int, cols: int, programs: int, rms_eps: float):
+    """h's columns of program p: y * rsqrt(mean(y^2) + eps) * norm, mean(y^2) from the y^2 shares (slot MIX + 1)."""
+    at, ps = p * cols + _ar(cols), _ar(_pow2(programs))
+    y_squares = jnp.where(ps < programs, part_ref[n, jnp.minimum(ps, programs - 1), MIX + 1], jnp.float32(0))
+    rms = lax.rsqrt(jnp.sum(y_squares) / jnp.float32(d) + jnp.float32(rms_eps))
+    h_ref[n, at] = y_ref[n, at] * rms * norm_ref[at]
 
 
 def _normed_or_split(part_ref, y_ref, norm_ref, scale_ref, base_ref, h_ref, pre_ref, post_ref, comb_ref, *, d: int,
@@ -110,19 +163,46 @@ def _normed_or_split(part_ref, y_ref, norm_ref, scale_ref, base_ref, h_ref, pre_
 
     @pl.when(p < programs)
     def normed_program():
-        at, ps = p * cols + _ar(cols), _ar(_pow2(programs))
-        y_squares = jnp.where(ps < programs, part_ref[n, jnp.minimum(ps, programs - 1), MIX + 1], jnp.float32(0))
-        rms = lax.rsqrt(jnp.sum(y_squares) / jnp.float32(d) + jnp.float32(rms_eps))
-        h_ref[n, at] = y_ref[n, at] * rms * norm_ref[at]
+        _write_normed(n, p, part_ref, y_ref, norm_ref, h_ref, d=d, cols=cols, programs=programs, rms_eps=rms_eps)
+
+
+def _split_collapse(part_ref, x_ref, scale_ref, base_ref, y_ref, ysq_ref, pre_ref, post_ref, comb_ref, *, d: int,
+                    cols: int, programs: int, rms_eps: float, hc_eps: float, iters: int):
+    """V4's second launch: every program forms pre from the summed shares (the same code, so the same bits, in
+    each); programs 0 .. P - 1 collapse their columns with it and write their share of sum y^2 (slot MIX + 1, as
+    `_partials`), program P writes pre and splits the rest of the mix at the same time."""
+    n, p = pl.program_id(0), pl.program_id(1)
+    pre = _pre(_row_mix(n, part_ref, d=d, programs=programs, rms_eps=rms_eps), scale_ref, base_ref, hc_eps)
+
+    @pl.when(p == programs)
+    def split_program():
+        _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, d=d, programs=programs,
+                   rms_eps=rms_eps, hc_eps=hc_eps, iters=iters, pre=pre)
+
+    @pl.when(p < programs)
+    def collapse_program():
+        at, slot, zero = p * cols + _ar(cols), _ar(PAD), jnp.float32(0)
+        pre_i = [jnp.sum(jnp.where(_ar(H) == i, pre, zero)) for i in range(H)]
+        y = _collapse([x_ref[n, i, at] for i in range(H)], pre_i)
+        y_ref[n, at] = y
+        ysq_ref[n, p, slot] = jnp.where(slot == MIX + 1, jnp.sum(y * y), zero)
+
+
+def _normed(part_ref, y_ref, norm_ref, h_ref, *, d: int, cols: int, programs: int, rms_eps: float):
+    """V4's third launch: h's columns."""
+    _write_normed(pl.program_id(0), pl.program_id(1), part_ref, y_ref, norm_ref, h_ref, d=d, cols=cols,
+                  programs=programs, rms_eps=rms_eps)
 
 
 @functools.partial(jax.jit, static_argnames=("rms_eps", "hc_eps", "iters", "interpret", "most_cols",
                                              "partial_warps"))
 def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, rms_eps: float, hc_eps: float,
                         iters: int, interpret: bool = False, most_cols: int = MOST_COLS, partial_warps: int = 4):
-    """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D] under the lag. `most_cols`
-    (a power of two) and `partial_warps` (a `_partials` program's warps) are the layout experiments/
-    bench_mhc_input.py sweeps; 128 and 4 were the fastest on an H100."""
+    """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D]: under the lag (V4.1)
+    collapsed with `pre_prev_NH` [N, H] in two launches; with `pre_prev_NH` None (V4) with each row's own pre, in
+    three (the mix's shares; the split and the collapse; the norm). `most_cols` (a power of two) and
+    `partial_warps` (a first-launch program's warps) are the layout experiments/bench_mhc_input.py sweeps; 128 and
+    4 were the fastest on an H100 (V4.1)."""
     if most_cols < 16 or most_cols & (most_cols - 1) or partial_warps not in (1, 2, 4, 8):
         raise ValueError(f"mhc_input_kernel: {most_cols} columns and {partial_warps} warps a program; columns a "
                          "power of two of at least 16, warps 1, 2, 4 or 8")
@@ -130,7 +210,9 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
     cols = math.gcd(d, most_cols)
     programs = d // cols
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
-    x_NHD, pre_prev_NH, scale_3, base_M, norm_D = map(f32, (x_NHD, pre_prev_NH, scale_3, base_M, norm_D))
+    lagged = pre_prev_NH is not None
+    x_NHD, scale_3, base_M, norm_D = map(f32, (x_NHD, scale_3, base_M, norm_D))
+    pre_prev_NH = f32(pre_prev_NH) if lagged else jnp.zeros((N, H), jnp.float32)
     params = lambda warps: None  # noqa: E731
     if interpret:  # interpreted, a kernel is XLA:CPU code inlined into its caller: keep its rounding its own
         x_NHD, pre_prev_NH = lax.optimization_barrier((x_NHD, pre_prev_NH))
@@ -140,40 +222,54 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
         params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=1)  # noqa: E731
     row = lambda *shape: jax.ShapeDtypeStruct((N, *shape), jnp.float32)  # noqa: E731
     call = functools.partial(pl.pallas_call, interpret=interpret)
-    y, parts = call(functools.partial(_partials, d=d, cols=cols), grid=(N, programs),
-                    compiler_params=params(partial_warps), out_shape=(row(d), row(programs, PAD)),
-                    name="mhc_input_partials")(x_NHD, fn_MK, pre_prev_NH)
-    h, pre, post, comb = call(  # one warp a program: the split's Sinkhorn keeps every reduction in its warp
-        functools.partial(_normed_or_split, d=d, cols=cols, programs=programs, rms_eps=float(rms_eps),
-                          hc_eps=float(hc_eps), iters=int(iters)),
-        grid=(N, programs + 1), compiler_params=params(1), out_shape=(row(d), row(H), row(H), row(H * H)),
-        name="mhc_input_normed_split")(parts, y, norm_D, scale_3, base_M)
+    consts = dict(d=d, cols=cols, programs=programs, rms_eps=float(rms_eps))
+    split = dict(hc_eps=float(hc_eps), iters=int(iters))
+    if lagged:
+        y, parts = call(functools.partial(_partials, d=d, cols=cols), grid=(N, programs),
+                        compiler_params=params(partial_warps), out_shape=(row(d), row(programs, PAD)),
+                        name="mhc_input_partials")(x_NHD, fn_MK, pre_prev_NH)
+        h, pre, post, comb = call(  # one warp a program: the split's Sinkhorn keeps every reduction in its warp
+            functools.partial(_normed_or_split, **consts, **split), grid=(N, programs + 1),
+            compiler_params=params(1), out_shape=(row(d), row(H), row(H), row(H * H)),
+            name="mhc_input_normed_split")(parts, y, norm_D, scale_3, base_M)
+    else:
+        parts = call(functools.partial(_mix_partials, d=d, cols=cols), grid=(N, programs),
+                     compiler_params=params(partial_warps), out_shape=row(programs, PAD),
+                     name="mhc_input_mix_partials")(x_NHD, fn_MK)
+        y, y_parts, pre, post, comb = call(
+            functools.partial(_split_collapse, **consts, **split), grid=(N, programs + 1), compiler_params=params(1),
+            out_shape=(row(d), row(programs, PAD), row(H), row(H), row(H * H)),
+            name="mhc_input_split_collapse")(parts, x_NHD, scale_3, base_M)
+        h = call(functools.partial(_normed, **consts), grid=(N, programs), compiler_params=params(1),
+                 out_shape=row(d), name="mhc_input_normed")(y_parts, y, norm_D)
     out = (h, pre, post, comb.reshape(N, H, H))
     return lax.optimization_barrier(out) if interpret else out
 
 
-def applies(hc: int, d: int, mix_width: int) -> bool:
-    """Whether `sublayer_input` runs the kernels: switched on, Pallas' Triton backend or the interpreter, H = 4
-    copies, D with a power-of-two factor of at least 16 (a program's columns), a (2 + H) H mix."""
-    return (ENABLED and hc == H and math.gcd(d, MOST_COLS) >= 16 and mix_width == MIX and triton_matvec.ENABLED
-            and (triton_matvec.has_triton_backend() or triton_matvec.INTERPRET))
+def applies(hc: int, d: int, mix_width: int, lagged: bool = True) -> bool:
+    """Whether `sublayer_input` runs the kernels: switched on (`ENABLED`, and `ENABLED_V4` where not `lagged`),
+    Pallas' Triton backend or the interpreter, H = 4 copies, D with a power-of-two factor of at least 16 (a
+    program's columns), a (2 + H) H mix."""
+    return (ENABLED and (lagged or ENABLED_V4) and hc == H and math.gcd(d, MOST_COLS) >= 16 and mix_width == MIX
+            and triton_matvec.ENABLED and (triton_matvec.has_triton_backend() or triton_matvec.INTERPRET))
 
 
 def sublayer_input(x_HD, pre_prev_H, fn_MK, scale_3, base_M, norm_D, *, rms_eps: float, hc_eps: float, iters: int,
                    default):
     """One row's (h, pre, post, comb) (leading axes allowed): the kernels on CUDA (or interpreted), else
-    `default(x_HD, pre_prev_H)`, the XLA spelling."""
+    `default(x_HD, pre_prev_H)`, the XLA spelling. `pre_prev_H` None: no lag (V4), each row's own pre collapses."""
     lead, (hc, d) = x_HD.shape[:-2], x_HD.shape[-2:]
-    x_NHD, pre_NH = x_HD.reshape(-1, hc, d), jnp.reshape(pre_prev_H, (-1, hc))
+    x_NHD = x_HD.reshape(-1, hc, d)
+    pre_NH = None if pre_prev_H is None else jnp.reshape(pre_prev_H, (-1, hc))
     run = functools.partial(sublayer_input_rows, fn_MK=fn_MK, scale_3=scale_3, base_M=base_M, norm_D=norm_D,
                             rms_eps=rms_eps, hc_eps=hc_eps, iters=iters)
 
-    def xla(x, pre):
-        return jax.vmap(default)(x, pre)
-
     if triton_matvec.INTERPRET:
         out = run(x_NHD, pre_NH, interpret=True)
+    elif pre_NH is None:
+        out = lax.platform_dependent(x_NHD, cuda=lambda x: run(x, None),
+                                     default=lambda x: jax.vmap(lambda r: default(r, None))(x))
     else:
-        out = lax.platform_dependent(x_NHD, pre_NH, cuda=run, default=xla)
+        out = lax.platform_dependent(x_NHD, pre_NH, cuda=run, default=jax.vmap(default))
     h, pre, post, comb = out
     return h.reshape(*lead, d), pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc)
