@@ -165,16 +165,23 @@ def _crumb(q):
     return tm._crumb_major(q).astype(jnp.int8)
 
 
+def _q2_k_code_blocks(rng, shape):
+    """GGML Q2_K blocks [*shape, 84] with random codes, every scale 1 and min 0, d 1 and dmin 0, so gguf-py
+    dequantizes them to their codes."""
+    blocks = np.zeros((*shape, 84), np.uint8)
+    blocks[..., :16] = 0x01  # scale 1, min 0 in every sub-block
+    blocks[..., 16:80] = rng.integers(0, 256, (*shape, 64))
+    blocks[..., 80:84] = np.frombuffer(np.array([1.0, 0.0], np.float16).tobytes(), np.uint8)  # d, dmin
+    return blocks
+
+
 def test_the_q2_k_pack_assembly_gives_gguf_pys_codes():
     """The Q2_K packs step's inline assembly (`_Q2_K_PACK_ASM`), executed instruction by instruction in numpy, on
     planar words (`to_planar`) of GGML blocks whose scales are 1, mins 0, d 1 and dmin 0, so gguf-py dequantizes
     them to their codes: each word's result is its sub-block's 16 codes dotted with their x; the interpreter's
     spelling sums to the same."""
     rng = np.random.default_rng(13)
-    blocks = np.zeros((64, 84), np.uint8)
-    blocks[:, :16] = 0x01  # scale 1, min 0 in every sub-block
-    blocks[:, 16:80] = rng.integers(0, 256, (64, 64))
-    blocks[:, 80:84] = np.frombuffer(np.array([1.0, 0.0], np.float16).tobytes(), np.uint8)  # d, dmin
+    blocks = _q2_k_code_blocks(rng, (64,))
     codes = gguf.quants.dequantize(blocks, T.Q2_K).astype(np.int64).reshape(64, 16, 4, 4)  # [block, j, byte, u]
     words = to_planar(blocks, T.Q2_K)[:, :64].copy().view("<u4").reshape(-1)  # [block * 16 + j]
     x = rng.integers(-127, 128, (64, 16, 4, 4)).astype(np.int8)  # the x of each value, as codes
@@ -262,10 +269,7 @@ def test_both_q2_k_steps_sum_the_same_integers(monkeypatch):
     each form's own load and dot hand the shared float steps (`_q2_k_sums`), are the same integers, and equal a
     numpy sum over gguf-py's codes (blocks with scales 1, mins 0, d 1, dmin 0 dequantize to their codes)."""
     rng = np.random.default_rng(14)
-    blocks = np.zeros((6, 4, 84), np.uint8)  # 6 rows of 4 blocks of 256
-    blocks[..., :16] = 0x01
-    blocks[..., 16:80] = rng.integers(0, 256, (6, 4, 64))
-    blocks[..., 80:84] = np.frombuffer(np.array([1.0, 0.0], np.float16).tobytes(), np.uint8)
+    blocks = _q2_k_code_blocks(rng, (6, 4))  # 6 rows of 4 blocks of 256
     codes = gguf.quants.dequantize(blocks.reshape(6, -1), T.Q2_K).astype(np.int64).reshape(6, 4, 16, 16)
     q, d = round_int8(jnp.asarray(rng.standard_normal((1, 1024)), jnp.float32))
     qv = np.asarray(q, np.int64).reshape(1, 4, 16, 16)

@@ -131,12 +131,10 @@ def _pre(mix, scale_ref, base_ref, hc_eps: float):
     return _sigmoid(mix(h_at) * scale_ref[0] + base_ref[h_at]) + jnp.float32(hc_eps)
 
 
-def _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, d: int, programs: int,
-               rms_eps: float, hc_eps: float, iters: int, pre=None):
-    """Row n's mix, its split and Sinkhorn (pre, post, comb written); `pre` if already formed from that mix."""
-    mix = _row_mix(n, part_ref, d=d, programs=programs, rms_eps=rms_eps)
+def _split_row(n, mix, pre, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *, hc_eps: float, iters: int):
+    """Row n's split of its mix (`_row_mix`) and Sinkhorn: pre (formed from that mix by `_pre`), post, comb."""
     h_at, src_dst = _ar(H), _ar(H)[:, None] * H + _ar(H)[None, :]
-    pre_ref[n, h_at] = _pre(mix, scale_ref, base_ref, hc_eps) if pre is None else pre
+    pre_ref[n, h_at] = pre
     post_ref[n, h_at] = 2 * _sigmoid(mix(H + h_at) * scale_ref[1] + base_ref[H + h_at])
     logits = mix(2 * H + src_dst) * scale_ref[2] + base_ref[2 * H + src_dst]
     comb_ref[n, src_dst] = sinkhorn_kernel.normalise(logits, hc_eps, iters)
@@ -151,15 +149,16 @@ def _write_normed(n, p, part_ref, y_ref, norm_ref, h_ref, *, d: int, cols: int, 
 
 
 def _normed_or_split(part_ref, y_ref, norm_ref, scale_ref, base_ref, h_ref, pre_ref, post_ref, comb_ref, *, d: int,
-                     cols: int, programs: int, rms_eps: float, **split):
+                     cols: int, programs: int, rms_eps: float, hc_eps: float, iters: int):
     """The second launch: programs 0 .. P - 1 write h's columns (y's RMS from the y^2 shares), program P splits
     the mix (`_split_row`) at the same time."""
     n, p = pl.program_id(0), pl.program_id(1)
 
     @pl.when(p == programs)
     def split_program():
-        _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, d=d, programs=programs,
-                   rms_eps=rms_eps, **split)
+        mix = _row_mix(n, part_ref, d=d, programs=programs, rms_eps=rms_eps)
+        _split_row(n, mix, _pre(mix, scale_ref, base_ref, hc_eps), scale_ref, base_ref, pre_ref, post_ref, comb_ref,
+                   hc_eps=hc_eps, iters=iters)
 
     @pl.when(p < programs)
     def normed_program():
@@ -172,12 +171,12 @@ def _split_collapse(part_ref, x_ref, scale_ref, base_ref, y_ref, ysq_ref, pre_re
     each); programs 0 .. P - 1 collapse their columns with it and write their share of sum y^2 (slot MIX + 1, as
     `_partials`), program P writes pre and splits the rest of the mix at the same time."""
     n, p = pl.program_id(0), pl.program_id(1)
-    pre = _pre(_row_mix(n, part_ref, d=d, programs=programs, rms_eps=rms_eps), scale_ref, base_ref, hc_eps)
+    mix = _row_mix(n, part_ref, d=d, programs=programs, rms_eps=rms_eps)
+    pre = _pre(mix, scale_ref, base_ref, hc_eps)
 
     @pl.when(p == programs)
     def split_program():
-        _split_row(n, part_ref, scale_ref, base_ref, pre_ref, post_ref, comb_ref, d=d, programs=programs,
-                   rms_eps=rms_eps, hc_eps=hc_eps, iters=iters, pre=pre)
+        _split_row(n, mix, pre, scale_ref, base_ref, pre_ref, post_ref, comb_ref, hc_eps=hc_eps, iters=iters)
 
     @pl.when(p < programs)
     def collapse_program():
@@ -212,7 +211,7 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     lagged = pre_prev_NH is not None
     x_NHD, scale_3, base_M, norm_D = map(f32, (x_NHD, scale_3, base_M, norm_D))
-    pre_prev_NH = f32(pre_prev_NH) if lagged else jnp.zeros((N, H), jnp.float32)
+    pre_prev_NH = f32(pre_prev_NH) if lagged else None
     params = lambda warps: None  # noqa: E731
     if interpret:  # interpreted, a kernel is XLA:CPU code inlined into its caller: keep its rounding its own
         x_NHD, pre_prev_NH = lax.optimization_barrier((x_NHD, pre_prev_NH))
@@ -267,8 +266,7 @@ def sublayer_input(x_HD, pre_prev_H, fn_MK, scale_3, base_M, norm_D, *, rms_eps:
     if triton_matvec.INTERPRET:
         out = run(x_NHD, pre_NH, interpret=True)
     elif pre_NH is None:
-        out = lax.platform_dependent(x_NHD, cuda=lambda x: run(x, None),
-                                     default=lambda x: jax.vmap(lambda r: default(r, None))(x))
+        out = lax.platform_dependent(x_NHD, cuda=lambda x: run(x, None), default=jax.vmap(lambda r: default(r, None)))
     else:
         out = lax.platform_dependent(x_NHD, pre_NH, cuda=run, default=jax.vmap(default))
     h, pre, post, comb = out
