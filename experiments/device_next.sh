@@ -63,9 +63,10 @@
 #                                             # predictions) against words, the default: GPU test, W_down alone in
 #                                             # each form, decode ABAB and a profile an arm, ~5 min
 #   bash experiments/device_next.sh mhc-v4    # V4's unlagged sublayer inputs in three launches
-#                                             # (layers/mhc_input_kernel.py, JDS41_MHC_KERNEL_V4=1, opt-in until
-#                                             # timed) against XLA's ~9 kernels a sublayer: GPU tests, V4-Flash
-#                                             # 8 layers int8 AB, a profile an arm, ~7 min
+#                                             # (layers/mhc_input_kernel.py, JDS41_MHC_KERNEL_V4, the default since
+#                                             # eb7f426's run on an H100: 549.1 against 520.9 tok/s) against XLA's
+#                                             # ~9 kernels a sublayer: GPU tests, V4-Flash 8 layers int8 AB, a
+#                                             # profile an arm, ~7 min
 #   bash experiments/device_next.sh v4-int8   # V4-Flash's MXFP4 experts under the int8 numerics (dp4a, as llama.cpp's
 #                                             # CUDA backend computes them): GPU tests, then 8 layers int8 and f32
 #                                             # and an int8 profile, ~5 min (0f9b21a on an H100: 525.1 against
@@ -222,7 +223,7 @@ case "${1:-}" in
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_mhc_v4_8L.jsonl")
     while true; do
-      python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the 28 GB file
+      JDS41_MHC_KERNEL_V4=0 python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the 28 GB file
       JDS41_MHC_KERNEL_V4=1 python3 experiments/bench_decode.py "${v4[@]}"
       (( SECONDS < ${MHC_V4_UNTIL_S:-0} )) || break
     done

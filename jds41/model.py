@@ -248,7 +248,7 @@ def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H):
     or this sublayer's own pre (V4). (Two fused Triton forms of this chain ran slower than XLA's ten kernels on the
     H200: experiments/README.md, twenty-fourth session; under the lag, layers/mhc_input_kernel.py's two launches
     won on an H100 in the thirty-sixth and run on CUDA unless JDS41_MHC_KERNEL=0; V4's three launches, unlagged,
-    built in the forty-second session, are opt-in until timed: JDS41_MHC_KERNEL_V4=1.)"""
+    built in the forty-second session, won on an H100 in the forty-third and run unless JDS41_MHC_KERNEL_V4=0.)"""
     def xla(x_HD, pre_prev_H):
         pre, post, comb = _sublayer_mix(cfg, w, branch, x_HD)
         h = rms_norm(hc_collapse(x_HD, pre_prev_H if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)

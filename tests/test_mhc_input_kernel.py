@@ -1,5 +1,6 @@
 """A sublayer's input as Triton launches (jds41/layers/mhc_input_kernel.py): V4.1's under the lag in two (on by
-default; JDS41_MHC_KERNEL=0 takes XLA's), V4's unlagged in three (opt-in: JDS41_MHC_KERNEL_V4=1).
+default; JDS41_MHC_KERNEL=0 takes XLA's), V4's unlagged in three (on by
+default too; JDS41_MHC_KERNEL_V4=0 takes XLA's for V4).
 
 On every machine, both forms: the kernels in Pallas' interpreter against the XLA spelling (layers/mhc.py's mix,
 split and collapse, layers/norm.py's norm: the reference) and a float64 numpy re-derivation of MODEL.md §2.1; each

@@ -8,7 +8,7 @@ pass keeps its bits for any cut. Against the XLA engine in this process (the ref
 rounding, and not the same bits (the kernel really ran). The "attention" case runs the attention kernels too
 (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1) under the same promises, and the "mhc" case the sublayer inputs'
 kernels (layers/mhc_input_kernel.py, the default on CUDA; the other cases set JDS41_MHC_KERNEL=0), the "mhc_v4" case
-V4's unlagged form of them in a V4 engine (opt-in on CUDA), and the "co_launch" case the routed and shared experts'
+V4's unlagged form of them in a V4 engine (the default on CUDA too), and the "co_launch" case the routed and shared experts'
 products in shared launches (quant/co_launch.py, the default on CUDA, off in the other cases: decode's layers
 co-launch, the tiered and verify paths do not, so their equalities check the co-launch's bits). The "int8" case
 opens every engine with the int8 numerics (quant/int8_act.py): the MXFP4 experts' products are then the dp4a
@@ -76,7 +76,7 @@ print(json.dumps(res))
 # "mhc": the sublayer inputs' kernels too (layers/mhc_input_kernel.py; the default on CUDA, off in the others);
 # "co_launch": the routed and shared experts' products in shared launches (quant/co_launch.py, the default on CUDA;
 # the other cases set JDS41_CO_LAUNCH=0); "int8": the int8 numerics, its MXFP4 products co-launched; "mhc_v4": a
-# V4 (deepseek4) engine with its unlagged sublayer inputs' three launches (JDS41_MHC_KERNEL_V4=1, opt-in)
+# V4 (deepseek4) engine with its unlagged sublayer inputs' three launches (JDS41_MHC_KERNEL_V4, the default on CUDA)
 @pytest.mark.parametrize("kernels", ["products", "attention", "mhc", "co_launch", "int8", "mhc_v4"])
 def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
     arch = "deepseek4" if kernels == "mhc_v4" else "deepseek41"
