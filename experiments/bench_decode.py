@@ -114,7 +114,8 @@ def kernel_ab() -> dict:
     layers/attention_kernel.py) and whether V4.1's and V4's sublayer inputs are (JDS41_MHC_KERNEL,
     JDS41_MHC_KERNEL_V4: layers/mhc_input_kernel.py) and whether the shared expert and the latent run on a second
     stream, and by which form of compute_on (JDS41_SIDE_STREAM: layers/side_stream.py), whether the routed and
-    shared experts' products share launches (JDS41_CO_LAUNCH: quant/co_launch.py) and the tiles JDS41_TILES set
+    shared experts' products share launches (JDS41_CO_LAUNCH: quant/co_launch.py) and an attention sublayer's
+    products of its input (JDS41_CO_LAUNCH_ATTENTION, there too) and the tiles JDS41_TILES set
     (quant/triton_matvec.py)."""
     from gguf import GGMLQuantizationType as T
 
@@ -131,7 +132,8 @@ def kernel_ab() -> dict:
             "attn_tile": attention_kernel.TILE, "attn_dot": attention_kernel.DOT,
             "mhc_kernel": mhc_input_kernel.ENABLED, "mhc_v4_kernel": mhc_input_kernel.ENABLED_V4,
             "side_stream": side_stream.MECHANISM,
-            "co_launch": co_launch.ENABLED, "tiles_set": os.environ.get("JDS41_TILES", "")}
+            "co_launch": co_launch.ENABLED, "co_launch_attention": co_launch.ATTENTION,
+            "tiles_set": os.environ.get("JDS41_TILES", "")}
 
 
 def _machine() -> str:

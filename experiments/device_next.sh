@@ -67,6 +67,11 @@
 #                                             # eb7f426's run on an H100: 549.1 against 520.9 tok/s) against XLA's
 #                                             # ~9 kernels a sublayer: GPU tests, V4-Flash 8 layers int8 AB, a
 #                                             # profile an arm, ~7 min
+#   bash experiments/device_next.sh attn-together  # an attention sublayer's products of its input as one launch
+#                                             # (model.attention_products; JDS41_CO_LAUNCH_ATTENTION=0 launches
+#                                             # them one by one): GPU tests, V4-Flash 8 layers int8 AB pairs while
+#                                             # SECONDS < TOGETHER_UNTIL_S (0: one pair), a profile an arm if
+#                                             # SECONDS < TOGETHER_PROFILE_BEFORE_S (400), ~7 min
 #   bash experiments/device_next.sh v4-int8   # V4-Flash's MXFP4 experts under the int8 numerics (dp4a, as llama.cpp's
 #                                             # CUDA backend computes them): GPU tests, then 8 layers int8 and f32
 #                                             # and an int8 profile, ~5 min (0f9b21a on an H100: 525.1 against
@@ -231,6 +236,24 @@ case "${1:-}" in
       for on in 0 1; do
         JDS41_MHC_KERNEL_V4=$on python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 \
           --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_mhc_v4_8L.jsonl" || true
+      done
+    fi ;;
+  attn-together)  # model.attention_products (one launch for W_qa, W_kv, the compressors', W_proj) against one each
+    python3 -m pytest -q -m gpu tests/test_co_launch.py -p no:cacheprovider -rf --tb=short \
+      > "$OUT/attn_together_gpu_tests.txt" 2>&1 || true
+    tail -3 "$OUT/attn_together_gpu_tests.txt"
+    v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
+        --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_attn_together_8L.jsonl")
+    while true; do
+      JDS41_CO_LAUNCH_ATTENTION=0 python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the file
+      python3 experiments/bench_decode.py "${v4[@]}"
+      (( SECONDS < ${TOGETHER_UNTIL_S:-0} )) || break
+    done
+    if (( SECONDS < ${TOGETHER_PROFILE_BEFORE_S:-400} )); then
+      for on in 0 1; do
+        JDS41_CO_LAUNCH_ATTENTION=$on python3 experiments/profile_decode.py --arch deepseek4 --layers 8 \
+          --quant mxfp4 --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_attn_together_8L.jsonl" \
+          || true
       done
     fi ;;
   v4-int8)  # V4-Flash's MXFP4 experts under the int8 numerics (their products the dp4a kernel, quant/triton_int8.py)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jds41.config import ModelConfig
-from jds41.layers import attention, compressor, indexer, mhc_input_kernel
+from jds41.layers import attention, compressor, indexer, mhc_input_kernel, side_stream
 from jds41.layers.compressor import CompressorSpec
 from jds41.layers.engram import engram_combine
 from jds41.layers.mhc import hc_collapse, hc_expand, hc_head, hc_mix, hc_onehot_pre, hc_split
@@ -33,7 +33,7 @@ from jds41.layers.moe import routed_and_shared, shared_expert
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import layer_rope_freqs
 from jds41.layers.router import route
-from jds41.quant import QTensor, qmatvec
+from jds41.quant import QTensor, co_launch, qmatvec
 from jds41.tiers.experts import prefetch_experts, select_experts, tiered_routed_experts
 
 
@@ -138,20 +138,41 @@ def embed(w: QTensor, token: jax.Array) -> jax.Array:
     return w.with_rows(row, (1, w.shape[-1])).dequantize()[0]
 
 
-def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_st: list, h_D, pos, shared: dict):
-    """Attention sublayer of layer lp.index on the normed input h_D; updates new_st[lp.index]; returns [D]."""
+def attention_products(lp: LayerPlan, w: dict, h_D) -> dict[str, jax.Array]:
+    """The attention sublayer's products of its normed input h_D by tensor name (W_qa, W_kv, its compressors' W_kv
+    and W_gate, the indexer's W_proj), one launch on CUDA where quant/co_launch.py is on, each with its own
+    launch's bits. Why: each reads 0.3-4.5 MB and took 2-4.4 us as a launch of its own, mostly fixed cost (V4-Flash
+    on an H100: seven such launches, ~21 us, in a layer with an indexer; results/profile_decode_mhc_v4_43_8L_h100
+    .jsonl). W_kv stays in `attention.latent` where the side stream's site "latent" runs it on a second stream."""
+    groups = [("attn_q_a",)] + ([] if "latent" in side_stream.SITES else [("attn_kv",)])
+    for spec, prefix in ((lp.cmp, "attn_compressor"), (lp.idx_cmp, "indexer_compressor")):
+        if spec is not None:  # a compressor's two products have one shape: one job (qtensor.share_a_launch)
+            groups.append((f"{prefix}_kv", f"{prefix}_gate") if spec.has_gate else (f"{prefix}_kv",))
+    if lp.runs_indexer:
+        groups.append(("indexer.proj",))
+    x = jnp.asarray(h_D, jnp.float32)
+    made = co_launch.products(tuple(co_launch.Dense(x, tuple(w[n] for n in g)) for g in groups))
+    return {name: y for g, ys in zip(groups, made) for name, y in zip(g, ys)}
+
+
+def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_st: list, h_D, pos, shared: dict,
+                     together: bool = False):
+    """Attention sublayer of layer lp.index on the normed input h_D; updates new_st[lp.index]; returns [D].
+    `together`: h_D's products as `attention_products` makes them (decode's step; the other paths keep a launch a
+    product, so the engine's equalities check the shared launch's bits)."""
     cfg = plan.cfg
     freqs = jnp.asarray(layer_rope_freqs(cfg, lp.index))
     st = dict(st_all[lp.index])
-    q, qr = attention.query(cfg, w, h_D)
-    st["ring"] = attention.push_ring(st["ring"], attention.latent(cfg, w, h_D, pos, freqs), pos)
+    made = attention_products(lp, w, h_D) if together and co_launch.ATTENTION else None
+    q, qr = attention.query(cfg, w, h_D, made)
+    st["ring"] = attention.push_ring(st["ring"], attention.latent(cfg, w, h_D, pos, freqs, made), pos)
     win_kv, win_valid = attention.window_rows(st["ring"], cfg.window, pos)
     keys, valid = [win_kv], [win_valid]
     if lp.cmp is not None:
-        st["cmp"] = compressor.update(lp.cmp, st["cmp"], w, h_D, pos, freqs, cfg.rms_eps)[0]
+        st["cmp"] = compressor.update(lp.cmp, st["cmp"], w, h_D, pos, freqs, cfg.rms_eps, made=made)[0]
     if lp.idx_cmp is not None:
         st["idx"], _, _ = compressor.update(lp.idx_cmp, st["idx"], w, h_D, pos, freqs, cfg.rms_eps,
-                                            prefix="indexer_compressor")
+                                            prefix="indexer_compressor", made=made)
     if lp.latent_index_keys:
         st["idx"] = _update_latent_keys(cfg, w, st["idx"], st["cmp"]["latent"], pos, lp.ratio, freqs)
     new_st[lp.index] = st  # before reading sources: a layer may be its own kv source
@@ -165,7 +186,7 @@ def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_
             if lp.runs_indexer:
                 index_keys = st["idx"]["rows"] if lp.idx_cmp is not None else new_st[lp.kv_source]["idx"]["keys"]
                 scores = indexer.index_scores(w, qr, h_D, index_keys, pos, freqs, cfg.index_n_heads,
-                                              cfg.index_head_dim)
+                                              cfg.index_head_dim, made)
                 allowed = visible
                 if lp.uses_candidates:
                     allowed = allowed & shared["candidates"]
@@ -295,7 +316,7 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
             with jax.named_scope(branch):
                 h, pre, post, comb = sublayer_input(cfg, w, branch, x, pre_prev)
                 if branch == "attn":
-                    out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared)
+                    out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared, together=True)
                 else:
                     predicted.append(_predict_next(plan, lp, params, h))
                     out, idx, n_swaps = _ffn_block(plan, lp, w, h, token)

@@ -5,14 +5,18 @@ On every machine, in Pallas' interpreter: the launch order holds every program o
 its own order and spread over the launch; a co-launch gives each job the bits of its own launch (the int8 two-bit
 kinds beside f32 Q8_0 and MXFP4, shared and per-expert x, row splits); jobs of different warp counts are refused;
 `products` gives the separate calls' bits and falls back to them where one launch cannot hold the requests;
-`moe.routed_and_shared` gives `routed_experts + shared_expert`'s bits with the switch on; JDS41_TILES' spelling;
-lowered for CUDA, the requests are one Triton call with the switch on and two with it off. On a GPU (marker `gpu`):
-the compiled co-launch at V4.1's shapes, bit for bit against separate launches (2 passed on an H100 at 47db046,
-results/co_launch_gpu_tests40_h100.txt). The engine's invariances with it on run in tests/test_triton_engine.py
-("co_launch").
+`moe.routed_and_shared` gives `routed_experts + shared_expert`'s bits with the switch on, and
+`model.attention_products` (an attention sublayer's products of its input) the separate `qmatvec`s' bits;
+JDS41_TILES' spelling; lowered for CUDA, the requests are one Triton call with the switch on and two with it off,
+and a V4 layer's attention products one call. On a GPU (marker `gpu`): the compiled co-launch at V4.1's shapes,
+bit for bit against separate launches (2 passed on an H100 at 47db046, results/co_launch_gpu_tests40_h100.txt),
+and at V4-Flash's (its MXFP4 gate/up beside the shared expert's; a CSA layer's seven attention products). The
+engine's invariances with it on run in tests/test_triton_engine.py ("co_launch", "int8", "mhc_v4").
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +24,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
+from jds41 import model
 from jds41.layers import moe
-from jds41.quant import QTensor, co_launch, qmatvec_experts_parts, qmatvec_parts, triton_int8, triton_matvec
+from jds41.layers.compressor import CompressorSpec
+from jds41.quant import QTensor, co_launch, qmatvec, qmatvec_experts_parts, qmatvec_parts, triton_int8, triton_matvec
 from jds41.quant.int8_act import round_int8
 from jds41.quant.planar import to_planar
 from jds41.quant.random_blocks import random_quantized
@@ -159,6 +165,37 @@ def test_routed_and_shared_gives_the_separate_functions_bits(interpreted, limits
            jax.jit(lambda x: moe.routed_experts(x, *routed, idx, weight, limits[0]))(x))
 
 
+# A V4 CSA layer's products of its attention input (W_qa, W_kv, the compressor's and the indexer compressor's
+# W_kv and W_gate, the indexer's W_proj), Q8_0 planar, at [n_out] x D
+_V4_ATTENTION = {"attn_q_a": 64, "attn_kv": 32, "attn_compressor_kv": 64, "attn_compressor_gate": 64,
+                 "indexer_compressor_kv": 32, "indexer_compressor_gate": 32, "indexer.proj": 16}
+
+
+def _v4_attention_layer(rng, D=512, scale=1):
+    """(lp, w): the plan fields `model.attention_products` reads and the seven weights, `scale` x their rows."""
+    def qt(n_out):
+        shape = (n_out * scale, D)
+        raw, rows = _rows(rng, T.Q8_0, shape)
+        return QTensor.from_raw(raw, T.Q8_0, shape).with_layout(rows, "planar")
+
+    spec = lambda width: CompressorSpec(4, width, True, True, True, 8)  # noqa: E731  (ratio 4, overlapped)
+    lp = SimpleNamespace(cmp=spec(32 * scale), idx_cmp=spec(16 * scale), runs_indexer=True)
+    return lp, {name: qt(n) for name, n in _V4_ATTENTION.items()}
+
+
+def test_attention_products_give_the_separate_products_bits(interpreted):
+    rng = np.random.default_rng(10)
+    lp, w = _v4_attention_layer(rng)
+    h = jnp.asarray(rng.standard_normal(512), jnp.float32)
+    made = jax.jit(lambda h: model.attention_products(lp, w, h))(h)
+    assert sorted(made) == sorted(_V4_ATTENTION)
+    _equal([made[n] for n in sorted(made)], [jax.jit(lambda h, n=n: qmatvec(h, w[n]))(h) for n in sorted(made)])
+    assert str(jax.make_jaxpr(lambda h: model.attention_products(lp, w, h))(h)).count("pallas_call") == 1
+    hca = SimpleNamespace(cmp=CompressorSpec(128, 32, False, True, False, 8), idx_cmp=None, runs_indexer=False)
+    assert sorted(model.attention_products(hca, w, h)) == ["attn_compressor_gate", "attn_compressor_kv",
+                                                          "attn_kv", "attn_q_a"]
+
+
 def test_lowered_for_cuda_the_requests_are_one_triton_call_with_the_switch_on(monkeypatch):
     from jds41.quant import int8_round_kernel
 
@@ -181,15 +218,28 @@ def test_lowered_for_cuda_the_requests_are_one_triton_call_with_the_switch_on(mo
     monkeypatch.setattr(co_launch, "ENABLED", False)
     off = lowered()
     assert "co_int8" not in off and off.count("call @rows_matvec") == 2  # the routed int8 and the shared f32 launch
+    lp, w = _v4_attention_layer(rng)
+    monkeypatch.setattr(co_launch, "ENABLED", True)
+    v4 = jax.jit(lambda h: model.attention_products(lp, w, h)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert v4.count("__gpu$xla.gpu.triton") == 1 and 'name = "co_q8_0_planar_q8_0_planar' in v4
 
 
 # V4.1's shapes: the routed gate/up (IQ2_XXS int8, 6 of 8 experts, x shared) with the shared expert's (Q8_0 f32),
 # and the routed down (Q2_K int8, an x an expert) with the shared expert's down (Q8_0 f32); V4-Flash's gate/up
-# (MXFP4 f32 beside Q8_0 f32, [2048, 4096]; not yet run on a GPU)
+# (MXFP4 f32 beside Q8_0 f32, [2048, 4096]; passed on an H100 in the forty-second session); a V4-Flash CSA
+# layer's seven products of its attention input (Q8_0, [1024 .. 64, 4096]: `model.attention_products`)
 @pytest.mark.gpu
-@pytest.mark.parametrize("pair", ["gate_up", "down", "v4_gate_up"])
+@pytest.mark.parametrize("pair", ["gate_up", "down", "v4_gate_up", "v4_attention"])
 def test_the_compiled_co_launch_gives_each_job_its_own_bits_on_the_gpu(pair):
     rng = np.random.default_rng(9)
+    if pair == "v4_attention":
+        lp, w = _v4_attention_layer(rng, D=4096, scale=16)
+        h = jnp.asarray(rng.standard_normal(4096), jnp.float32)
+        together = jax.jit(lambda h: model.attention_products(lp, w, h))(h)
+        alone = {n: jax.jit(lambda h, n=n: qmatvec(h, w[n]))(h) for n in together}
+        assert sorted(together) == sorted(_V4_ATTENTION)
+        _equal([together[n] for n in sorted(together)], [alone[n] for n in sorted(together)])
+        return
     if pair == "v4_gate_up":
         (_, g), (_, u) = _rows(rng, T.MXFP4, (8, 2048, 4096)), _rows(rng, T.MXFP4, (8, 2048, 4096))
         (_, gs), (_, us) = _rows(rng, T.Q8_0, (1, 2048, 4096)), _rows(rng, T.Q8_0, (1, 2048, 4096))

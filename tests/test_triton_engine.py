@@ -7,10 +7,11 @@ drafting gives plain greedy decode's tokens, at decode width 1 and at width 4 (t
 pass keeps its bits for any cut. Against the XLA engine in this process (the reference path): the same logits to f32
 rounding, and not the same bits (the kernel really ran). The "attention" case runs the attention kernels too
 (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1) under the same promises, and the "mhc" case the sublayer inputs'
-kernels (layers/mhc_input_kernel.py, the default on CUDA; the other cases set JDS41_MHC_KERNEL=0), the "mhc_v4" case
-V4's unlagged form of them in a V4 engine (the default on CUDA too), and the "co_launch" case the routed and shared experts'
-products in shared launches (quant/co_launch.py, the default on CUDA, off in the other cases: decode's layers
-co-launch, the tiered and verify paths do not, so their equalities check the co-launch's bits). The "int8" case
+kernels (layers/mhc_input_kernel.py, the default on CUDA; the other cases set JDS41_MHC_KERNEL=0), the "mhc_v4"
+case V4's unlagged form of them in a V4 engine (the default on CUDA too), and the "co_launch" case the routed and
+shared experts' products in shared launches, and an attention sublayer's products of its input in one
+(quant/co_launch.py, the default on CUDA, off in the other cases: decode's step co-launches, the tiered, prompt and
+layer-major paths do not, so their equalities check the co-launch's bits). The "int8" case
 opens every engine with the int8 numerics (quant/int8_act.py): the MXFP4 experts' products are then the dp4a
 kernel's (quant/triton_int8.py), co-launched beside the shared expert's f32 Q8_0 product, and the reference is the
 XLA engine with that numerics."""
@@ -77,6 +78,7 @@ print(json.dumps(res))
 # "co_launch": the routed and shared experts' products in shared launches (quant/co_launch.py, the default on CUDA;
 # the other cases set JDS41_CO_LAUNCH=0); "int8": the int8 numerics, its MXFP4 products co-launched; "mhc_v4": a
 # V4 (deepseek4) engine with its unlagged sublayer inputs' three launches (JDS41_MHC_KERNEL_V4, the default on CUDA)
+# and the co-launches (its compressors' and indexer's products of the attention input among them)
 @pytest.mark.parametrize("kernels", ["products", "attention", "mhc", "co_launch", "int8", "mhc_v4"])
 def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
     arch = "deepseek4" if kernels == "mhc_v4" else "deepseek41"
@@ -88,7 +90,7 @@ def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_p
            "JDS41_ATTN_KERNEL": "1" if kernels == "attention" else "0",
            "JDS41_MHC_KERNEL": "1" if kernels in ("mhc", "mhc_v4") else "0",
            "JDS41_MHC_KERNEL_V4": "1" if kernels == "mhc_v4" else "0",
-           "JDS41_CO_LAUNCH": "1" if kernels in ("co_launch", "int8") else "0",
+           "JDS41_CO_LAUNCH": "1" if kernels in ("co_launch", "int8", "mhc_v4") else "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     numerics = "int8" if kernels == "int8" else "jds41"
     res = subprocess.run([sys.executable, "-c", ENGINE_RUN, model, str(profile), str(out), numerics],

@@ -26,7 +26,7 @@ from jds41.layers import attention_kernel
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
 from jds41.layers.side_stream import on_side_stream
-from jds41.quant import qmatvec, qmatvec_experts
+from jds41.quant import qmatvec, qmatvec_experts, qmatvec_made
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -44,21 +44,25 @@ def window_rows(ring: dict, window: int, pos: jax.Array) -> tuple[jax.Array, jax
     return ring["kv"][slots], (want >= 0) & (ring["pos"][slots] == want)
 
 
-def query(cfg: ModelConfig, w: dict, h_D: jax.Array) -> tuple[jax.Array, jax.Array]:
+def query(cfg: ModelConfig, w: dict, h_D: jax.Array, made: dict | None = None) -> tuple[jax.Array, jax.Array]:
     """(q [H, HD] as W_qb gives it, qr [q_lora_rank]): q is not yet normalised a head nor rotated (`attend` does
-    both); qr also feeds the indexer."""
-    qr = rms_norm(qmatvec(h_D, w["attn_q_a"]), w["attn_q_a_norm"], cfg.rms_eps)
+    both); qr also feeds the indexer. `made`: products of h_D already computed (`qmatvec_made`)."""
+    qr = rms_norm(qmatvec_made(h_D, w, "attn_q_a", made), w["attn_q_a_norm"], cfg.rms_eps)
     return qmatvec(qr, w["attn_q_b"]).reshape(cfg.n_heads, cfg.head_dim), qr
 
 
-def latent(cfg: ModelConfig, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array) -> jax.Array:
-    """The token's K = V latent [HD], normalised and rotated. It does not depend on the query: with
-    the side stream's site "latent" on (JDS41_SIDE_STREAM) its kernels run on a second CUDA stream beside the
-    query's (layers/side_stream.py)."""
-    def body(h_D, kv_w, norm_w, pos, freqs):
-        return apply_rope(rms_norm(qmatvec(h_D, kv_w), norm_w, cfg.rms_eps), pos, freqs)
+def latent(cfg: ModelConfig, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array, made: dict | None = None
+           ) -> jax.Array:
+    """The token's K = V latent [HD], normalised and rotated, from h_D @ W_kv (`made`'s where it holds it). It does
+    not depend on the query: with the side stream's site "latent" on (JDS41_SIDE_STREAM) its kernels, the product
+    too, run on a second CUDA stream beside the query's (layers/side_stream.py)."""
+    def turned(kv_t, norm_w, pos, freqs):
+        return apply_rope(rms_norm(kv_t, norm_w, cfg.rms_eps), pos, freqs)
 
-    return on_side_stream("latent", body, h_D, w["attn_kv"], w["attn_kv_a_norm"], pos, freqs)
+    if made is not None and "attn_kv" in made:
+        return turned(made["attn_kv"], w["attn_kv_a_norm"], pos, freqs)
+    return on_side_stream("latent", lambda h_D, kv_w, *rest: turned(qmatvec(h_D, kv_w), *rest),
+                          h_D, w["attn_kv"], w["attn_kv_a_norm"], pos, freqs)
 
 
 def push_ring(ring: dict, kv: jax.Array, pos: jax.Array) -> dict:

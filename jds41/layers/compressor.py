@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
-from jds41.quant import qmatvec
+from jds41.quant import qmatvec_made
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,14 +75,15 @@ def _pool(spec: CompressorSpec, kv_buf: jax.Array, score_buf: jax.Array, block: 
     return jnp.sum(weights * kv, axis=0)
 
 
-def project(spec: CompressorSpec, w: dict, h_D: jax.Array, pos: jax.Array, prefix: str = "attn_compressor"
-            ) -> tuple[jax.Array, jax.Array | None]:
+def project(spec: CompressorSpec, w: dict, h_D: jax.Array, pos: jax.Array, prefix: str = "attn_compressor",
+            made: dict | None = None) -> tuple[jax.Array, jax.Array | None]:
     """One token's projections (kv_t, score_t; score_t None without a gate): the part of `update` that depends on
-    the token alone, so a row-batched step (jds41/block_step.py) can compute it for all rows at once."""
-    kv_t = qmatvec(h_D, w[f"{prefix}_kv"])
+    the token alone, so a row-batched step (jds41/block_step.py) can compute it for all rows at once. `made`:
+    products of h_D already computed (`qmatvec_made`)."""
+    kv_t = qmatvec_made(h_D, w, f"{prefix}_kv", made)
     if not spec.has_gate:
         return kv_t, None
-    sc_t = qmatvec(h_D, w[f"{prefix}_gate"])
+    sc_t = qmatvec_made(h_D, w, f"{prefix}_gate", made)
     if spec.has_ape:
         sc_t = sc_t + w[f"{prefix}_ape"][pos % spec.ratio]
     return kv_t, sc_t
@@ -109,12 +110,12 @@ def absorb(spec: CompressorSpec, state: dict, w: dict, kv_t: jax.Array, sc_t: ja
 
 
 def update(spec: CompressorSpec, state: dict, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array,
-           eps: float, prefix: str = "attn_compressor") -> tuple[dict, jax.Array, jax.Array]:
+           eps: float, prefix: str = "attn_compressor", made: dict | None = None) -> tuple[dict, jax.Array, jax.Array]:
     """Feed one token; returns (state, emitted, block): `emitted` says whether row `block` was written now.
 
-    `w` holds the layer's tensors by short GGUF name (`{prefix}_kv`, `_gate`, `_ape`, `_norm`).
+    `w` holds the layer's tensors by short GGUF name (`{prefix}_kv`, `_gate`, `_ape`, `_norm`); `made` as `project`.
     """
-    kv_t, sc_t = project(spec, w, h_D, pos, prefix)
+    kv_t, sc_t = project(spec, w, h_D, pos, prefix, made)
     return absorb(spec, state, w, kv_t, sc_t, pos, freqs, eps, prefix)
 
 

@@ -19,17 +19,18 @@ import jax.numpy as jnp
 
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
-from jds41.quant import qmatvec
+from jds41.quant import qmatvec, qmatvec_made
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def index_scores(w: dict, qr: jax.Array, h_D: jax.Array, keys_RK: jax.Array, pos: jax.Array, freqs: jax.Array,
-                 n_heads: int, head_dim: int) -> jax.Array:
-    """Raw indexer scores of every stored key row, [n_rows] (visibility not applied)."""
+                 n_heads: int, head_dim: int, made: dict | None = None) -> jax.Array:
+    """Raw indexer scores of every stored key row, [n_rows] (visibility not applied); `made`: products of h_D
+    already computed (`qmatvec_made`)."""
     q_HK = qmatvec(qr, w["indexer.attn_q_b"]).reshape(n_heads, head_dim)
     q_HK = apply_rope(q_HK, pos, freqs)
-    weights_H = qmatvec(h_D, w["indexer.proj"]) * (head_dim * n_heads) ** -0.5
+    weights_H = qmatvec_made(h_D, w, "indexer.proj", made) * (head_dim * n_heads) ** -0.5
     dots_HR = jnp.einsum("hk,rk->hr", q_HK, keys_RK, precision=HIGHEST)  # f32, not TF32 (attention.attend)
     return jnp.einsum("h,hr->r", weights_H, jax.nn.relu(dots_HR), precision=HIGHEST)
 

@@ -13,6 +13,7 @@ from jds41.quant.qtensor import (
     qmatvec,
     qmatvec_experts,
     qmatvec_experts_parts,
+    qmatvec_made,
     qmatvec_parts,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "qmatvec",
     "qmatvec_experts",
     "qmatvec_experts_parts",
+    "qmatvec_made",
     "qmatvec_parts",
     "row_bytes",
 ]

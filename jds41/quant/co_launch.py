@@ -21,8 +21,10 @@ behind another's. The jobs must share a warp count (a Triton launch has one; the
 4 warps for this); `products` falls back to separate launches where they do not.
 
 Decode uses it in a layer's FFN (`moe.routed_and_shared`: the routed and shared gate/up products, then the two
-down products); it keeps the separate functions as the reference, and the other paths (prompt pieces, verify rows,
-tiered experts) compute separately, so the engine's equalities check these bits.
+down products) and for an attention sublayer's small products of its input (`model.attention_products`: W_qa,
+W_kv, the compressors', the indexer's W_proj; `ATTENTION`); it keeps the separate functions as the reference, and
+the other paths (prompt pieces, layer-major rows, tiered experts) compute separately, so the engine's equalities
+check these bits.
 
 `products(requests)` is the qtensor-level entry: each request a tuple of products of one x (`Dense` or `Experts`),
 all computed by one launch where `ENABLED` (JDS41_CO_LAUNCH, read at import; "0" launches each request alone, for
@@ -45,6 +47,9 @@ from jds41.quant import qtensor
 from jds41.quant import triton_matvec as tm
 
 ENABLED = os.environ.get("JDS41_CO_LAUNCH", "1") == "1"
+# An attention sublayer's products of its input together (model.attention_products), under ENABLED; built in the
+# forty-third session, JDS41_CO_LAUNCH_ATTENTION=0 launches them one by one (for A/B runs)
+ATTENTION = os.environ.get("JDS41_CO_LAUNCH_ATTENTION", "1") == "1"
 
 
 def order(counts: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:

@@ -261,6 +261,12 @@ def qmatvec(x_in: jax.Array, w: QTensor) -> jax.Array:
     return qmatvec_parts(x_in, (w,))[0]
 
 
+def qmatvec_made(x_in: jax.Array, w: dict, name: str, made: dict | None) -> jax.Array:
+    """`qmatvec(x_in, w[name])`, or the value `made` holds under `name`: products of x_in already computed together
+    (one launch, the same bits: model.attention_products)."""
+    return made[name] if made is not None and name in made else qmatvec(x_in, w[name])
+
+
 def qmatvec_parts(x_in: jax.Array, ws: tuple[QTensor, ...]) -> tuple[jax.Array, ...]:
     """`qmatvec(x_in, w)` for each w of `ws`: on CUDA one kernel launch where they `share_a_launch` (a gate and
     an up product of one x), with the bits of separate calls (a row's arithmetic is its tile's, and the tile is
