@@ -54,6 +54,10 @@ SHAPES = (
     ("attn-q-b", T.Q8_0, 8, 32768, 1024, 1, 1),
     ("attn-o-b", T.Q8_0, 8, 4096, 8192, 1, 1),
     ("head", T.Q8_0, 1, 129280, 4096, 1, 1),
+    # V4-Flash's small products of the attention input: W_qa [1024, 4096] (and a ratio-4 compressor's W_kv, W_gate),
+    # W_kv [512, 4096] (and a ratio-128 compressor's), ~140 MB stacks
+    ("attn-q-a", T.Q8_0, 32, 1024, 4096, 1, 1),
+    ("attn-kv", T.Q8_0, 64, 512, 4096, 1, 1),
     ("v41-experts-gate-up", T.IQ2_XXS, 384, 2304, 5120, 6, 1),
     ("v41-experts-down", T.Q2_K, 384, 5120, 2304, 6, 6),
     # V4.1's dense Q8_0 products (a layer's attention q_a, kv, q_b, o_a in 8 groups of 1024 rows, each with its own

@@ -72,6 +72,11 @@
 #                                             # them one by one): GPU tests, V4-Flash 8 layers int8 AB pairs while
 #                                             # SECONDS < TOGETHER_UNTIL_S (0: one pair), a profile an arm if
 #                                             # SECONDS < TOGETHER_PROFILE_BEFORE_S (400), ~7 min
+#   bash experiments/device_next.sh small-tiles  # V4-Flash's small Q8_0 products of the attention input ([1024, 4096],
+#                                             # [512, 4096]: no measured tile, the rule's one row a program): a
+#                                             # sweep of 4-warp unsplit tiles (a co-launch has one warp count), the
+#                                             # fastest of each set by JDS41_TILES for V4 8 layers int8 against the
+#                                             # defaults, one pair, a profile of the tiles arm, ~8 min
 #   bash experiments/device_next.sh v4-int8   # V4-Flash's MXFP4 experts under the int8 numerics (dp4a, as llama.cpp's
 #                                             # CUDA backend computes them): GPU tests, then 8 layers int8 and f32
 #                                             # and an int8 profile, ~5 min (0f9b21a on an H100: 525.1 against
@@ -255,6 +260,30 @@ case "${1:-}" in
           --quant mxfp4 --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_attn_together_8L.jsonl" \
           || true
       done
+    fi ;;
+  small-tiles)
+    python3 experiments/bench_kernels.py --shapes attn-q-a,attn-kv --tiles --rows 1,2,4,8 --blocks 16,32,64,128 \
+      --warps 4 --splits 1 --out "$OUT/bench_kernels_small_tiles.jsonl" > /dev/null
+    tiles=$(python3 - "$OUT/bench_kernels_small_tiles.jsonl" <<'PICK'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+best = {}
+for r in rows:  # the fastest f32 kernel tile of each shape (net of the loop), the rule's included
+    if r.get("path") == "triton" and r.get("layout") == "planar" and "net_us" in r:
+        key = (r["out"], r["in"])
+        if key not in best or r["net_us"] < best[key]["net_us"]:
+            best[key] = r
+print(";".join(f"Q8_0:1:{o}:{i}=" + ",".join(map(str, r["tile"])) for (o, i), r in sorted(best.items())))
+PICK
+)
+    echo "JDS41_TILES=$tiles"
+    v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
+        --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_small_tiles_8L.jsonl")
+    python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the file
+    JDS41_TILES="$tiles" python3 experiments/bench_decode.py "${v4[@]}"
+    if (( SECONDS < ${SMALL_TILES_PROFILE_BEFORE_S:-380} )); then
+      JDS41_TILES="$tiles" python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 \
+        --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_small_tiles_8L.jsonl" || true
     fi ;;
   v4-int8)  # V4-Flash's MXFP4 experts under the int8 numerics (their products the dp4a kernel, quant/triton_int8.py)
     # V4_INT8_PART=tests: the int8 GPU tests and V4's co-launch bit test, then the expert products alone in both
