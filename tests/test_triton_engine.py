@@ -99,7 +99,7 @@ def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_p
     checks = json.loads(res.stdout.strip().splitlines()[-1])
     assert checks == {"interpret": True, "attention_kernel": kernels == "attention",
                       "mhc_kernel": kernels in ("mhc", "mhc_v4"), "mhc_v4_kernel": kernels == "mhc_v4",
-                      "co_launch": kernels in ("co_launch", "int8"),
+                      "co_launch": kernels in ("co_launch", "int8", "mhc_v4"),
                       "tiered_logits_equal": True,
                       "tiered_tokens_equal": True, "device_loop_equal": True, "draft_equal": True,
                       "width4_draft_equal": True, "wide_cut_equal": True}, checks
