@@ -143,7 +143,9 @@ def attention_products(lp: LayerPlan, w: dict, h_D) -> dict[str, jax.Array]:
     and W_gate, the indexer's W_proj), one launch on CUDA where quant/co_launch.py is on, each with its own
     launch's bits. Why: each reads 0.3-4.5 MB and took 2-4.4 us as a launch of its own, mostly fixed cost (V4-Flash
     on an H100: seven such launches, ~21 us, in a layer with an indexer; results/profile_decode_mhc_v4_43_8L_h100
-    .jsonl). W_kv stays in `attention.latent` where the side stream's site "latent" runs it on a second stream."""
+    .jsonl); together 16.8-17.0 us there, 10.1-10.2 in a ratio-128 layer, 7.5 and 6.8 where only W_qa and W_kv
+    are (7.6 and 7.2 apart; results/profile_decode_attn_together43_8L_h100.jsonl).
+    W_kv stays in `attention.latent` where the side stream's site "latent" runs it on a second stream."""
     groups = [("attn_q_a",)] + ([] if "latent" in side_stream.SITES else [("attn_kv",)])
     for spec, prefix in ((lp.cmp, "attn_compressor"), (lp.idx_cmp, "indexer_compressor")):
         if spec is not None:  # a compressor's two products have one shape: one job (qtensor.share_a_launch)

@@ -23,7 +23,7 @@ spread reads: `_mix_partials` (the shares of fn @ x and of sum x^2), `_split_col
 ~4 KB of shares and forms pre, by the same code, so the same bits; programs 0 .. P - 1 collapse their columns and
 write their share of sum y^2, program P splits the rest of the mix and runs Sinkhorn) and `_normed` (h's columns).
 On by default on CUDA since the forty-third session: V4-Flash 8 layers int8 on an H100 decoded at 549.1 against
-520.9 tok/s with XLA's spelling, and its profile took 460.5 launches and 1,855.0 us of kernels a token against
+520.9 and 525.3 tok/s with XLA's spelling, and its profile took 460.5 launches and 1,855.0 us of kernels a token against
 556.5 and 1,954.2 (results/bench_decode_mhc_v4_43_8L_h100.jsonl, profile_decode_mhc_v4_43_8L_h100.jsonl).
 JDS41_MHC_KERNEL_V4=0 keeps XLA's spelling for V4 (JDS41_MHC_KERNEL=0 for both).
 
