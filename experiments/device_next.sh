@@ -65,13 +65,13 @@
 #   bash experiments/device_next.sh mhc-v4    # V4's unlagged sublayer inputs in three launches
 #                                             # (layers/mhc_input_kernel.py, JDS41_MHC_KERNEL_V4, the default since
 #                                             # eb7f426's run on an H100: 549.1 against 520.9 tok/s) against XLA's
-#                                             # ~9 kernels a sublayer: GPU tests, V4-Flash 8 layers int8 AB, a
-#                                             # profile an arm, ~7 min
+#                                             # ~9 kernels a sublayer, ~7 min
 #   bash experiments/device_next.sh attn-together  # an attention sublayer's products of its input as one launch
 #                                             # (model.attention_products; JDS41_CO_LAUNCH_ATTENTION=0 launches
-#                                             # them one by one): GPU tests, V4-Flash 8 layers int8 AB pairs while
-#                                             # SECONDS < TOGETHER_UNTIL_S (0: one pair), a profile an arm if
-#                                             # SECONDS < TOGETHER_PROFILE_BEFORE_S (400), ~7 min
+#                                             # them one by one; 084a7bd on an H100: 560.3 against 553.0), ~7 min
+#     Both through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB pairs while SECONDS < V4_AB_UNTIL_S (0: one
+#     pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400); the forty-third session ran them as
+#     separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_* (experiments/README.md)
 #   bash experiments/device_next.sh small-tiles  # V4-Flash's small Q8_0 products of the attention input ([1024, 4096],
 #                                             # [512, 4096]: no measured tile, the rule's one row a program): a
 #                                             # sweep of 4-warp unsplit tiles (a co-launch has one warp count), the
@@ -108,6 +108,26 @@ Q8_SHAPES=v41-attn-q-a,v41-attn-kv,v41-attn-q-b,v41-attn-o-a,v41-attn-o-b,v41-sh
 V41_DECODE=(--arch deepseek41 --layers 4 --quant ds4-q2 --profiles plain --prompt 256 --decode 128 --usage-tokens 128
             --prefill-budget-s 5 --numerics int8)
 V41_PROFILE=(--arch deepseek41 --layers 4 --quant ds4-q2 --prompt 64 --decode 64 --numerics int8)
+
+v4_ab() {  # $1 a switch read as 0 / 1, $2 its GPU tests, $3 the files' name: the tests, then V4-Flash 8 layers int8
+  # with $1=0 then $1=1, pairs while SECONDS < V4_AB_UNTIL_S (0: one pair), then a profile an arm if SECONDS <
+  # V4_AB_PROFILE_BEFORE_S (400)
+  python3 -m pytest -q -m gpu "$2" -p no:cacheprovider -rf --tb=short > "$OUT/$3_gpu_tests.txt" 2>&1 || true
+  tail -3 "$OUT/$3_gpu_tests.txt"
+  local v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
+            --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_$3_8L.jsonl")
+  while true; do
+    env "$1=0" python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the 28 GB file
+    env "$1=1" python3 experiments/bench_decode.py "${v4[@]}"
+    (( SECONDS < ${V4_AB_UNTIL_S:-0} )) || break
+  done
+  if (( SECONDS < ${V4_AB_PROFILE_BEFORE_S:-400} )); then
+    for on in 0 1; do
+      env "$1=$on" python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 --prompt 64 \
+        --decode 64 --numerics int8 --out "$OUT/profile_decode_$3_8L.jsonl" || true
+    done
+  fi
+}
 
 case "${1:-}" in
   kernels)
@@ -224,43 +244,10 @@ case "${1:-}" in
         --out "$OUT/bench_kernels_q2k_packs.jsonl" || true
     done
     AB_ON="JDS41_INT8_Q2_K_FORM=packs" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-300} bash "$0" decode-ab ;;
-  mhc-v4)  # V4's unlagged sublayer inputs as three launches (JDS41_MHC_KERNEL_V4=1) against XLA's ~9 kernels: the
-    # GPU tests, V4-Flash 8 layers int8 AB pairs while SECONDS < MHC_V4_UNTIL_S (0: one pair), then a profile an
-    # arm if SECONDS < MHC_V4_PROFILE_BEFORE_S (400)
-    python3 -m pytest -q -m gpu tests/test_mhc_input_kernel.py -p no:cacheprovider -rf --tb=short \
-      > "$OUT/mhc_v4_gpu_tests.txt" 2>&1 || true
-    tail -3 "$OUT/mhc_v4_gpu_tests.txt"
-    v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
-        --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_mhc_v4_8L.jsonl")
-    while true; do
-      JDS41_MHC_KERNEL_V4=0 python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the 28 GB file
-      JDS41_MHC_KERNEL_V4=1 python3 experiments/bench_decode.py "${v4[@]}"
-      (( SECONDS < ${MHC_V4_UNTIL_S:-0} )) || break
-    done
-    if (( SECONDS < ${MHC_V4_PROFILE_BEFORE_S:-400} )); then
-      for on in 0 1; do
-        JDS41_MHC_KERNEL_V4=$on python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 \
-          --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_mhc_v4_8L.jsonl" || true
-      done
-    fi ;;
+  mhc-v4)  # V4's unlagged sublayer inputs: three launches (the default) against XLA's ~9 kernels a sublayer
+    v4_ab JDS41_MHC_KERNEL_V4 tests/test_mhc_input_kernel.py mhc_v4 ;;
   attn-together)  # model.attention_products (one launch for W_qa, W_kv, the compressors', W_proj) against one each
-    python3 -m pytest -q -m gpu tests/test_co_launch.py -p no:cacheprovider -rf --tb=short \
-      > "$OUT/attn_together_gpu_tests.txt" 2>&1 || true
-    tail -3 "$OUT/attn_together_gpu_tests.txt"
-    v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
-        --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_attn_together_8L.jsonl")
-    while true; do
-      JDS41_CO_LAUNCH_ATTENTION=0 python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the file
-      python3 experiments/bench_decode.py "${v4[@]}"
-      (( SECONDS < ${TOGETHER_UNTIL_S:-0} )) || break
-    done
-    if (( SECONDS < ${TOGETHER_PROFILE_BEFORE_S:-400} )); then
-      for on in 0 1; do
-        JDS41_CO_LAUNCH_ATTENTION=$on python3 experiments/profile_decode.py --arch deepseek4 --layers 8 \
-          --quant mxfp4 --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_attn_together_8L.jsonl" \
-          || true
-      done
-    fi ;;
+    v4_ab JDS41_CO_LAUNCH_ATTENTION tests/test_co_launch.py attn_together ;;
   small-tiles)
     python3 experiments/bench_kernels.py --shapes attn-q-a,attn-kv --tiles --rows 1,2,4,8 --blocks 16,32,64,128 \
       --warps 4 --splits 1 --out "$OUT/bench_kernels_small_tiles.jsonl" > /dev/null
