@@ -69,7 +69,10 @@
 #   bash experiments/device_next.sh attn-together  # an attention sublayer's products of its input as one launch
 #                                             # (model.attention_products; JDS41_CO_LAUNCH_ATTENTION=0 launches
 #                                             # them one by one; 084a7bd on an H100: 560.3 against 553.0), ~7 min
-#     Both through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB pairs while SECONDS < V4_AB_UNTIL_S (0: one
+#   bash experiments/device_next.sh compressor  # a compressor's ring writes, pooling, norm, RoPE and row write as
+#                                             # one launch updating its state in place (layers/compressor_kernel.py,
+#                                             # JDS41_COMPRESSOR_KERNEL=1) against XLA's ~7 kernels, ~7 min
+#     The three through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB pairs while SECONDS < V4_AB_UNTIL_S (0: one
 #     pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400); the forty-third session ran them as
 #     separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_* (experiments/README.md)
 #   bash experiments/device_next.sh small-tiles  # V4-Flash's small Q8_0 products of the attention input ([1024, 4096],
@@ -248,6 +251,8 @@ case "${1:-}" in
     v4_ab JDS41_MHC_KERNEL_V4 tests/test_mhc_input_kernel.py mhc_v4 ;;
   attn-together)  # model.attention_products (one launch for W_qa, W_kv, the compressors', W_proj) against one each
     v4_ab JDS41_CO_LAUNCH_ATTENTION tests/test_co_launch.py attn_together ;;
+  compressor)  # a compressor's sequential part as one launch (layers/compressor_kernel.py) against XLA's ~7 kernels
+    v4_ab JDS41_COMPRESSOR_KERNEL tests/test_compressor_kernel.py compressor ;;
   small-tiles)
     python3 experiments/bench_kernels.py --shapes attn-q-a,attn-kv --tiles --rows 1,2,4,8 --blocks 16,32,64,128 \
       --warps 4 --splits 1 --out "$OUT/bench_kernels_small_tiles.jsonl" > /dev/null
@@ -309,6 +314,6 @@ PICK
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|q2k-packs|mhc-v4|v4-int8|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|q2k-packs|mhc-v4|attn-together|compressor|small-tiles|v4-int8|v4" >&2
     exit 2 ;;
 esac

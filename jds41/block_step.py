@@ -72,7 +72,7 @@ def _attention_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, new_st: list, h
     for name, spec, prefix in (("cmp", lp.cmp, "attn_compressor"), ("idx", lp.idx_cmp, "indexer_compressor")):
         if spec is None:
             continue
-        kv_W, sc_W = jax.vmap(lambda h, p, s=spec, pf=prefix: compressor.project(s, w, h, p, pf))(h_W, pos_W)
+        kv_W, sc_W = jax.vmap(lambda h, s=spec, pf=prefix: compressor.project(s, w, h, pf))(h_W)
         st[name], after = _absorb_rows(spec, st[name], w, kv_W, sc_W, pos_W, freqs, cfg.rms_eps, prefix)
         small[name] = {k: jnp.stack([a[k] for a in after]) for k in SMALL_LEAVES}
         if name == "cmp":

@@ -20,13 +20,15 @@ index_head_dim). State is a dict so the prefix cache can snapshot it as plain ar
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from jds41.layers import compressor_kernel
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
-from jds41.quant import qmatvec_made
+from jds41.quant import qmatvec_made, triton_matvec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,24 +77,49 @@ def _pool(spec: CompressorSpec, kv_buf: jax.Array, score_buf: jax.Array, block: 
     return jnp.sum(weights * kv, axis=0)
 
 
-def project(spec: CompressorSpec, w: dict, h_D: jax.Array, pos: jax.Array, prefix: str = "attn_compressor",
+def project(spec: CompressorSpec, w: dict, h_D: jax.Array, prefix: str = "attn_compressor",
             made: dict | None = None) -> tuple[jax.Array, jax.Array | None]:
-    """One token's projections (kv_t, score_t; score_t None without a gate): the part of `update` that depends on
-    the token alone, so a row-batched step (jds41/block_step.py) can compute it for all rows at once. `made`:
-    products of h_D already computed (`qmatvec_made`)."""
+    """One token's projections (kv_t, score_t; score_t None without a gate; ape not yet added: `absorb` adds it):
+    the part of `update` that depends on the token alone, so a row-batched step (jds41/block_step.py) can compute
+    it for all rows at once. `made`: products of h_D already computed (`qmatvec_made`)."""
     kv_t = qmatvec_made(h_D, w, f"{prefix}_kv", made)
     if not spec.has_gate:
         return kv_t, None
-    sc_t = qmatvec_made(h_D, w, f"{prefix}_gate", made)
-    if spec.has_ape:
-        sc_t = sc_t + w[f"{prefix}_ape"][pos % spec.ratio]
-    return kv_t, sc_t
+    return kv_t, qmatvec_made(h_D, w, f"{prefix}_gate", made)
 
 
 def absorb(spec: CompressorSpec, state: dict, w: dict, kv_t: jax.Array, sc_t: jax.Array | None, pos: jax.Array,
            freqs: jax.Array, eps: float, prefix: str = "attn_compressor") -> tuple[dict, jax.Array, jax.Array]:
-    """Take one token's projections into the state (ring buffers, pooling, the emitted row): the sequential part."""
+    """Take one token's projections into the state (ape added to the score, ring buffers, pooling, the emitted
+    row): the sequential part. On CUDA with layers/compressor_kernel.py switched on, one launch that updates the
+    state in place (the same values to f32 rounding); elsewhere the XLA spelling below, the reference."""
     r = spec.ratio
+    block = pos // r
+    emitted = (pos + 1) % r == 0
+    ape = w[f"{prefix}_ape"] if spec.has_gate and spec.has_ape else None
+    if compressor_kernel.applies(r, spec.width, spec.overlap):
+        run = functools.partial(compressor_kernel.absorb_state, ratio=r, overlap=spec.overlap, has_gate=spec.has_gate,
+                                eps=eps)
+        keys = ("kv_buf", "score_buf", "rows", "latent")
+        args = (*(state[k] for k in keys), kv_t, sc_t, ape, w[f"{prefix}_norm"], jnp.asarray(freqs, jnp.float32),
+                pos)
+
+        def xla(*a):
+            return tuple(_absorb_xla(spec, dict(zip(keys, a[:4])), *a[4:], eps)[k] for k in keys)
+
+        if triton_matvec.INTERPRET:
+            new = run(*args, interpret=True)
+        else:
+            new = jax.lax.platform_dependent(*args, cuda=run, default=xla)
+        return dict(zip(keys, new)), emitted, block
+    return _absorb_xla(spec, state, kv_t, sc_t, ape, w[f"{prefix}_norm"], freqs, pos, eps), emitted, block
+
+
+def _absorb_xla(spec: CompressorSpec, state: dict, kv_t, sc_t, ape, norm, freqs, pos, eps: float) -> dict:
+    """`absorb`'s state update in XLA's ops (the reference)."""
+    r = spec.ratio
+    if ape is not None:
+        sc_t = sc_t + jnp.asarray(ape)[pos % r]
     slot = pos % spec.buf_len
     kv_buf = jax.lax.dynamic_update_index_in_dim(state["kv_buf"], kv_t, slot, 0)
     score_buf = state["score_buf"]
@@ -101,12 +128,12 @@ def absorb(spec: CompressorSpec, state: dict, w: dict, kv_t: jax.Array, sc_t: ja
     block = pos // r
     emitted = (pos + 1) % r == 0
     pooled = _pool(spec, kv_buf, score_buf, block) if spec.has_gate else kv_t
-    latent = rms_norm(pooled, w[f"{prefix}_norm"], eps)
+    latent = rms_norm(pooled, norm, eps)
     row = apply_rope(latent, block * r, freqs)
     old = jax.lax.dynamic_index_in_dim(state["rows"], block, 0, keepdims=False)
     rows = jax.lax.dynamic_update_index_in_dim(state["rows"], jnp.where(emitted, row, old), block, 0)
     latent = jnp.where(emitted, latent, state["latent"])
-    return {"kv_buf": kv_buf, "score_buf": score_buf, "rows": rows, "latent": latent}, emitted, block
+    return {"kv_buf": kv_buf, "score_buf": score_buf, "rows": rows, "latent": latent}
 
 
 def update(spec: CompressorSpec, state: dict, w: dict, h_D: jax.Array, pos: jax.Array, freqs: jax.Array,
@@ -115,7 +142,7 @@ def update(spec: CompressorSpec, state: dict, w: dict, h_D: jax.Array, pos: jax.
 
     `w` holds the layer's tensors by short GGUF name (`{prefix}_kv`, `_gate`, `_ape`, `_norm`); `made` as `project`.
     """
-    kv_t, sc_t = project(spec, w, h_D, pos, prefix, made)
+    kv_t, sc_t = project(spec, w, h_D, prefix, made)
     return absorb(spec, state, w, kv_t, sc_t, pos, freqs, eps, prefix)
 
 
