@@ -116,11 +116,19 @@ def kernel_ab() -> dict:
     stream, and by which form of compute_on (JDS41_SIDE_STREAM: layers/side_stream.py), whether the routed and
     shared experts' products share launches (JDS41_CO_LAUNCH: quant/co_launch.py) and an attention sublayer's
     products of its input (JDS41_CO_LAUNCH_ATTENTION, there too), whether a compressor's sequential part is one
-    launch (JDS41_COMPRESSOR_KERNEL: layers/compressor_kernel.py) and the tiles JDS41_TILES set
+    launch (JDS41_COMPRESSOR_KERNEL: layers/compressor_kernel.py) and the attention's softmax (JDS41_SOFTMAX_KERNEL:
+    layers/sink_softmax_kernel.py) and the tiles JDS41_TILES set
     (quant/triton_matvec.py)."""
     from gguf import GGMLQuantizationType as T
 
-    from jds41.layers import attention_kernel, compressor_kernel, mhc_input_kernel, side_stream, topk_kernel
+    from jds41.layers import (
+        attention_kernel,
+        compressor_kernel,
+        mhc_input_kernel,
+        side_stream,
+        sink_softmax_kernel,
+        topk_kernel,
+    )
     from jds41.quant import co_launch, int8_act, int8_round_kernel, planar, qtensor, triton_int8, triton_matvec
 
     return {"kernel_prefetch": sorted(t.name for t in triton_matvec.PREFETCH),
@@ -134,7 +142,8 @@ def kernel_ab() -> dict:
             "mhc_kernel": mhc_input_kernel.ENABLED, "mhc_v4_kernel": mhc_input_kernel.ENABLED_V4,
             "side_stream": side_stream.MECHANISM,
             "co_launch": co_launch.ENABLED, "co_launch_attention": co_launch.ATTENTION,
-            "compressor_kernel": compressor_kernel.ENABLED, "tiles_set": os.environ.get("JDS41_TILES", "")}
+            "compressor_kernel": compressor_kernel.ENABLED, "softmax_kernel": sink_softmax_kernel.ENABLED,
+            "tiles_set": os.environ.get("JDS41_TILES", "")}
 
 
 def _machine() -> str:

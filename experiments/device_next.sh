@@ -72,7 +72,10 @@
 #   bash experiments/device_next.sh compressor  # a compressor's ring writes, pooling, norm, RoPE and row write as
 #                                             # one launch updating its state in place (layers/compressor_kernel.py,
 #                                             # JDS41_COMPRESSOR_KERNEL=1) against XLA's ~7 kernels, ~7 min
-#     The three through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB pairs while SECONDS < V4_AB_UNTIL_S (0: one
+#   bash experiments/device_next.sh softmax   # the attention's softmax with its sink as one launch a layer
+#                                             # (layers/sink_softmax_kernel.py, JDS41_SOFTMAX_KERNEL=1) against
+#                                             # XLA's four kernels, ~7 min
+#     The four through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB pairs while SECONDS < V4_AB_UNTIL_S (0: one
 #     pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400); the forty-third session ran them as
 #     separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_* (experiments/README.md)
 #   bash experiments/device_next.sh small-tiles  # V4-Flash's small Q8_0 products of the attention input ([1024, 4096],
@@ -253,6 +256,8 @@ case "${1:-}" in
     v4_ab JDS41_CO_LAUNCH_ATTENTION tests/test_co_launch.py attn_together ;;
   compressor)  # a compressor's sequential part as one launch (layers/compressor_kernel.py) against XLA's ~7 kernels
     v4_ab JDS41_COMPRESSOR_KERNEL tests/test_compressor_kernel.py compressor ;;
+  softmax)  # the attention's softmax with its sink as one launch (layers/sink_softmax_kernel.py) against XLA's four
+    v4_ab JDS41_SOFTMAX_KERNEL tests/test_sink_softmax_kernel.py softmax ;;
   small-tiles)
     python3 experiments/bench_kernels.py --shapes attn-q-a,attn-kv --tiles --rows 1,2,4,8 --blocks 16,32,64,128 \
       --warps 4 --splits 1 --out "$OUT/bench_kernels_small_tiles.jsonl" > /dev/null
@@ -314,6 +319,6 @@ PICK
       env $V4_ON python3 experiments/bench_decode.py "${v4[@]}"
     fi ;;
   *)
-    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|q2k-packs|mhc-v4|attn-together|compressor|small-tiles|v4-int8|v4" >&2
+    echo "usage: $0 kernels|depth|round|attention|attention-ncu|determinism|cmdbuf|decode-ab|mhc|side-stream|co-launch|q2k-packs|mhc-v4|attn-together|compressor|softmax|small-tiles|v4-int8|v4" >&2
     exit 2 ;;
 esac

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jds41.config import ModelConfig
-from jds41.layers import attention_kernel
+from jds41.layers import attention_kernel, sink_softmax_kernel
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
 from jds41.layers.side_stream import on_side_stream
@@ -93,13 +93,25 @@ def attend_xla(cfg: ModelConfig, sink_H: jax.Array, q_HK: jax.Array, keys_NK: ja
     q_HK = apply_rope(q_HK, pos, freqs)
     # HIGHEST: XLA:GPU runs a DEFAULT-precision f32 dot in TF32 (10-bit mantissa); on the H200 that put the wide
     # prompt pass 7e-4 away from decode on logits of size 4 (tests/test_prompt_width.py), where f32 keeps 2e-6.
-    logits = jnp.einsum("hk,nk->hn", q_HK, keys_NK, precision=HIGHEST) * cfg.head_dim ** -0.5
-    logits = jnp.where(valid_N[None, :], logits, -jnp.inf)
+    s_HN = jnp.einsum("hk,nk->hn", q_HK, keys_NK, precision=HIGHEST)
+    scale = cfg.head_dim ** -0.5
+    if sink_softmax_kernel.applies(s_HN.shape[-1]):  # one launch for the four kernels below, where switched on
+        p_HN = sink_softmax_kernel.sink_softmax(s_HN, valid_N, sink_H, scale,
+                                                default=lambda s, v, k: _sink_softmax(s, v, k, scale))
+    else:
+        p_HN = _sink_softmax(s_HN, valid_N, sink_H, scale)
+    o_HK = jnp.einsum("hn,nk->hk", p_HN, keys_NK, precision=HIGHEST)
+    return apply_rope(o_HK, pos, freqs, inverse=True)
+
+
+def _sink_softmax(s_HN: jax.Array, valid_N: jax.Array, sink_H: jax.Array, scale: float) -> jax.Array:
+    """The attention weights of raw scores s [H, N]: softmax over the valid keys with the sink in the denominator
+    (the reference of layers/sink_softmax_kernel.py)."""
+    logits = jnp.where(valid_N[None, :], s_HN * scale, -jnp.inf)
     top = jnp.maximum(jnp.max(logits, axis=1), sink_H)
     e = jnp.exp(logits - top[:, None])
     denom = jnp.sum(e, axis=1) + jnp.exp(sink_H - top)
-    o_HK = jnp.einsum("hn,nk->hk", e / denom[:, None], keys_NK, precision=HIGHEST)
-    return apply_rope(o_HK, pos, freqs, inverse=True)
+    return e / denom[:, None]
 
 
 def output(cfg: ModelConfig, w: dict, o_HK: jax.Array) -> jax.Array:
