@@ -117,7 +117,8 @@ def kernel_ab() -> dict:
     shared experts' products share launches (JDS41_CO_LAUNCH: quant/co_launch.py) and an attention sublayer's
     products of its input (JDS41_CO_LAUNCH_ATTENTION, there too), whether a compressor's sequential part is one
     launch (JDS41_COMPRESSOR_KERNEL: layers/compressor_kernel.py) and the attention's softmax (JDS41_SOFTMAX_KERNEL:
-    layers/sink_softmax_kernel.py) and the tiles JDS41_TILES set
+    layers/sink_softmax_kernel.py) and the router's selection (JDS41_ROUTE_KERNEL: layers/topk_kernel.py), and the
+    tiles JDS41_TILES set
     (quant/triton_matvec.py)."""
     from gguf import GGMLQuantizationType as T
 
@@ -143,6 +144,7 @@ def kernel_ab() -> dict:
             "side_stream": side_stream.MECHANISM,
             "co_launch": co_launch.ENABLED, "co_launch_attention": co_launch.ATTENTION,
             "compressor_kernel": compressor_kernel.ENABLED, "softmax_kernel": sink_softmax_kernel.ENABLED,
+            "route_kernel": topk_kernel.ROUTE_ENABLED,
             "tiles_set": os.environ.get("JDS41_TILES", "")}
 
 

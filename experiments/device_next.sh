@@ -75,8 +75,10 @@
 #   bash experiments/device_next.sh softmax   # the attention's softmax with its sink as one launch a layer
 #                                             # (layers/sink_softmax_kernel.py, JDS41_SOFTMAX_KERNEL=1) against
 #                                             # XLA's four kernels, ~7 min
-#   bash experiments/device_next.sh v4-state  # both of the last two: their GPU tests, decode with neither, the
-#                                             # compressor's, both; a profile of both and of neither, ~8 min
+#   bash experiments/device_next.sh v4-state  # the last two and the router's selection in one program
+#                                             # (layers/topk_kernel.py's `route`, JDS41_ROUTE_KERNEL=1): their GPU
+#                                             # tests, decode with none, adding one at a time; a profile of all
+#                                             # three and of none, ~9 min
 #     The four above it through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB pairs while SECONDS < V4_AB_UNTIL_S (0: one
 #     pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400); the forty-third session ran them as
 #     separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_* (experiments/README.md)
@@ -260,25 +262,27 @@ case "${1:-}" in
     v4_ab JDS41_COMPRESSOR_KERNEL tests/test_compressor_kernel.py compressor ;;
   softmax)  # the attention's softmax with its sink as one launch (layers/sink_softmax_kernel.py) against XLA's four
     v4_ab JDS41_SOFTMAX_KERNEL tests/test_sink_softmax_kernel.py softmax ;;
-  v4-state)  # both: their GPU tests, then V4-Flash 8 layers int8 with neither, the compressor's, both (rounds while
-    # SECONDS < V4_STATE_UNTIL_S, 0: one), then a profile of both and of neither while SECONDS < 440
-    python3 -m pytest -q -m gpu tests/test_compressor_kernel.py tests/test_sink_softmax_kernel.py -p no:cacheprovider \
-      -rf --tb=short > "$OUT/v4_state_gpu_tests.txt" 2>&1 || true
+  v4-state)  # the three opt-ins: their GPU tests, then V4-Flash 8 layers int8 with none, the compressor's, it and
+    # the softmax's, all three (rounds while SECONDS < V4_STATE_UNTIL_S, 0: one), then a profile of all three and of
+    # none while SECONDS < 440
+    python3 -m pytest -q -m gpu tests/test_compressor_kernel.py tests/test_sink_softmax_kernel.py \
+      tests/test_topk_kernel.py -p no:cacheprovider -rf --tb=short > "$OUT/v4_state_gpu_tests.txt" 2>&1 || true
     tail -3 "$OUT/v4_state_gpu_tests.txt"
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_v4_state_8L.jsonl")
     while true; do
-      for arm in "0 0" "1 0" "1 1"; do
+      for arm in "0 0 0" "1 0 0" "1 1 0" "1 1 1"; do
         set -- $arm
-        JDS41_COMPRESSOR_KERNEL=$1 JDS41_SOFTMAX_KERNEL=$2 python3 experiments/bench_decode.py "${v4[@]}"
+        JDS41_COMPRESSOR_KERNEL=$1 JDS41_SOFTMAX_KERNEL=$2 JDS41_ROUTE_KERNEL=$3 \
+          python3 experiments/bench_decode.py "${v4[@]}"
       done
       (( SECONDS < ${V4_STATE_UNTIL_S:-0} )) || break
     done
     for on in 1 0; do
       if (( SECONDS < 440 )); then
-        JDS41_COMPRESSOR_KERNEL=$on JDS41_SOFTMAX_KERNEL=$on python3 experiments/profile_decode.py --arch deepseek4 \
-          --layers 8 --quant mxfp4 --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_v4_state_8L.jsonl" \
-          || true
+        JDS41_COMPRESSOR_KERNEL=$on JDS41_SOFTMAX_KERNEL=$on JDS41_ROUTE_KERNEL=$on python3 \
+          experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 --prompt 64 --decode 64 \
+          --numerics int8 --out "$OUT/profile_decode_v4_state_8L.jsonl" || true
       fi
     done ;;
   small-tiles)

@@ -87,3 +87,49 @@ def test_the_compiled_kernel_is_lax_top_k_on_the_gpu():
         want_v, want_i = jax.jit(lambda x: lax.top_k(x, 6))(x)
         np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
         np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+
+
+# The router's whole selection in one program (topk_kernel.route, JDS41_ROUTE_KERNEL): against router.py's XLA
+# spelling (`_plain_selection`, the reference): the same picks in the same order, weights and scores to f32 rounding.
+@pytest.mark.parametrize("gating,norm,bias", [("sqrtsoftplus", True, True), ("sigmoid", True, True),
+                                              ("softmax", False, False), ("sqrtsoftplus", False, False)])
+def test_the_interpreted_route_kernel_routes_as_the_xla_spelling(gating, norm, bias):
+    cfg = dataclasses.replace(preset("deepseek4", "tiny"), n_experts=256, n_experts_used=6, gating_func=gating,
+                              expert_weights_norm=norm, expert_weights_scale=1.5)
+    rng = np.random.default_rng(len(gating) + norm)
+    logits = (rng.standard_normal((8, 256)) * 3).astype(np.float32)
+    b = jnp.asarray(rng.standard_normal(256) * 0.1, jnp.float32) if bias else None
+    got = topk_kernel.route_rows(jnp.asarray(logits), b, k=6, gating=gating, norm=norm, scale=1.5, interpret=True)
+    for row in range(8):
+        want = jax.jit(lambda lg: router._plain_selection(lg, b, cfg))(jnp.asarray(logits[row]))
+        np.testing.assert_array_equal(np.asarray(got[0][row]), np.asarray(want[0]))
+        np.testing.assert_allclose(np.asarray(got[1][row]), np.asarray(want[1]), rtol=2e-6)
+        np.testing.assert_allclose(np.asarray(got[2][row]), np.asarray(want[2]), rtol=2e-6, atol=1e-12)
+    assert got[0].dtype == jnp.int32
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_router_lowers_to_the_route_kernel_on_cuda_only_where_switched_on(monkeypatch, enabled):
+    cfg, gate, x, bias = _route_args(5)
+    monkeypatch.setattr(topk_kernel, "ROUTE_ENABLED", enabled)
+    for platform in ("cuda", "cpu"):
+        text = jax.jit(lambda x: router.route(x, gate, bias, cfg)).trace(x).lower(
+            lowering_platforms=(platform,)).as_text()
+        assert ('"router_select"' in text) is (enabled and platform == "cuda")
+        assert ('"router_top_k"' in text) is (not enabled and platform == "cuda")
+    hashed = jax.jit(lambda x: router.route(x, gate, None, cfg, hash_ids_K=jnp.arange(6))).trace(x)
+    assert "router_select" not in hashed.lower(lowering_platforms=("cuda",)).as_text()  # hash layers: no selection
+
+
+@pytest.mark.gpu
+def test_the_compiled_route_kernel_routes_as_the_xla_spelling_on_the_gpu():
+    cfg = dataclasses.replace(preset("deepseek4", "tiny"), n_experts=256, n_experts_used=6,
+                              gating_func="sqrtsoftplus", expert_weights_norm=True, expert_weights_scale=1.5)
+    rng = np.random.default_rng(9)
+    logits = jnp.asarray(rng.standard_normal((64, 256)) * 3, jnp.float32)
+    b = jnp.asarray(rng.standard_normal(256) * 0.1, jnp.float32)
+    got = topk_kernel.route_rows(logits, b, k=6, gating="sqrtsoftplus", norm=True, scale=1.5)
+    want = jax.jit(jax.vmap(lambda lg: router._plain_selection(lg, b, cfg)))(logits)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=2e-6)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=2e-6)

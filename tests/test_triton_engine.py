@@ -13,8 +13,9 @@ shared experts' products in shared launches, and an attention sublayer's product
 (quant/co_launch.py, the default on CUDA, off in the other cases: decode's step co-launches, the tiered, prompt and
 layer-major paths do not, so their equalities check the co-launch's bits), and the "v4_state" case a V4 engine
 whose compressors' sequential part is one launch each (layers/compressor_kernel.py, JDS41_COMPRESSOR_KERNEL=1) and
-whose attention softmax is one (layers/sink_softmax_kernel.py, JDS41_SOFTMAX_KERNEL=1): every path takes them.
-The "int8" case opens every engine with the int8 numerics (quant/int8_act.py): the MXFP4 experts' products are then the dp4a
+whose attention softmax is one (layers/sink_softmax_kernel.py, JDS41_SOFTMAX_KERNEL=1), and whose router's
+selection is one (layers/topk_kernel.py's `route`, JDS41_ROUTE_KERNEL=1): every path takes them. The "int8"
+case opens every engine with the int8 numerics (quant/int8_act.py): the MXFP4 experts' products are then the dp4a
 kernel's (quant/triton_int8.py), co-launched beside the shared expert's f32 Q8_0 product, and the reference is the
 XLA engine with that numerics."""
 
@@ -48,12 +49,13 @@ from jds41.speculative import DSparkDrafter, SpeculativeSession
 
 model, profile, out, numerics = sys.argv[1:5]
 toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
-from jds41.layers import attention_kernel, compressor_kernel, mhc_input_kernel, sink_softmax_kernel
+from jds41.layers import attention_kernel, compressor_kernel, mhc_input_kernel, sink_softmax_kernel, topk_kernel
 from jds41.quant import co_launch
 res = {"interpret": triton_matvec.INTERPRET, "attention_kernel": attention_kernel.applies(32),
        "mhc_kernel": mhc_input_kernel.applies(4, 64, 24),
        "mhc_v4_kernel": mhc_input_kernel.applies(4, 64, 24, lagged=False), "co_launch": co_launch.ENABLED,
-       "compressor_kernel": compressor_kernel.applies(4, 64, True), "softmax_kernel": sink_softmax_kernel.applies(8)}
+       "compressor_kernel": compressor_kernel.applies(4, 64, True), "softmax_kernel": sink_softmax_kernel.applies(8),
+       "route_kernel": topk_kernel.route_applies(16, 4)}
 e = Engine.open(model, max_ctx=128, prefill_chunk=16, numerics=numerics)
 want = e.session().feed(toks, all_logits=True)
 np.save(out, want)
@@ -83,7 +85,7 @@ print(json.dumps(res))
 # V4 (deepseek4) engine with its unlagged sublayer inputs' three launches (JDS41_MHC_KERNEL_V4, the default on CUDA)
 # and the co-launches (its compressors' and indexer's products of the attention input among them); "v4_state": a V4
 # engine whose compressors' sequential part is one launch each (layers/compressor_kernel.py) and its attention softmax
-# one (layers/sink_softmax_kernel.py), both opt-in (JDS41_COMPRESSOR_KERNEL, JDS41_SOFTMAX_KERNEL)
+# one (layers/sink_softmax_kernel.py), its router's selection one (topk_kernel.route), all three opt-in
 @pytest.mark.parametrize("kernels", ["products", "attention", "mhc", "co_launch", "int8", "mhc_v4", "v4_state"])
 def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
     arch = "deepseek4" if kernels in ("mhc_v4", "v4_state") else "deepseek41"
@@ -98,6 +100,7 @@ def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_p
            "JDS41_CO_LAUNCH": "1" if kernels in ("co_launch", "int8", "mhc_v4") else "0",
            "JDS41_COMPRESSOR_KERNEL": "1" if kernels == "v4_state" else "0",
            "JDS41_SOFTMAX_KERNEL": "1" if kernels == "v4_state" else "0",
+           "JDS41_ROUTE_KERNEL": "1" if kernels == "v4_state" else "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     numerics = "int8" if kernels == "int8" else "jds41"
     res = subprocess.run([sys.executable, "-c", ENGINE_RUN, model, str(profile), str(out), numerics],
@@ -108,6 +111,7 @@ def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_p
                       "mhc_kernel": kernels in ("mhc", "mhc_v4"), "mhc_v4_kernel": kernels == "mhc_v4",
                       "co_launch": kernels in ("co_launch", "int8", "mhc_v4"),
                       "compressor_kernel": kernels == "v4_state", "softmax_kernel": kernels == "v4_state",
+                      "route_kernel": kernels == "v4_state",
                       "tiered_logits_equal": True,
                       "tiered_tokens_equal": True, "device_loop_equal": True, "draft_equal": True,
                       "width4_draft_equal": True, "wide_cut_equal": True}, checks

@@ -36,7 +36,7 @@ from jds41.layers import topk_kernel
 from jds41.layers.rowwise import island, map_rows
 from jds41.quant import qmatvec
 
-WEIGHT_SUM_MIN = 6.103515625e-5  # llama.cpp clamps the routed-weight sum at 2^-14 before dividing
+WEIGHT_SUM_MIN = topk_kernel.WEIGHT_SUM_MIN  # llama.cpp clamps the routed-weight sum at 2^-14 before dividing
 
 
 class Routing(NamedTuple):
@@ -77,6 +77,11 @@ def route(x_D: jax.Array, gate_w, bias_E: jax.Array | None, cfg: ModelConfig, ha
     `hash_ids_K` tid2eid[token] on hash layers; `lean` (tier_rank_E, margin) or None."""
     k = cfg.n_experts_used
     logits_E = qmatvec(island(jnp.asarray(x_D, jnp.float32)), gate_w)
+    if hash_ids_K is None and lean is None and topk_kernel.route_applies(logits_E.shape[-1], k):
+        idx_K, w_K, scores_E = topk_kernel.route(  # scores, top-K and weights in one program (opt-in)
+            logits_E, None if bias_E is None else jnp.asarray(bias_E, jnp.float32), k, cfg.gating_func,
+            cfg.expert_weights_norm, cfg.expert_weights_scale, default=lambda lg: _plain_selection(lg, bias_E, cfg))
+        return island(Routing(idx_K, w_K, scores_E, jnp.int32(0)))
     scores_E = gate_scores(logits_E, cfg.gating_func)
     swaps = jnp.int32(0)
     if hash_ids_K is not None:
@@ -89,11 +94,23 @@ def route(x_D: jax.Array, gate_w, bias_E: jax.Array | None, cfg: ModelConfig, ha
             idx_K = topk_kernel.top_k(sel_E, k)[1]  # lax.top_k's picks and order (the kernel only where switched on)
         else:
             idx_K, swaps = _lean_select(sel_E, k, lean[0], lean[1])
+    return island(Routing(idx_K, _weights(scores_E, idx_K, cfg), scores_E, swaps))
+
+
+def _weights(scores_E: jax.Array, idx_K: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The chosen experts' unbiased scores, normalised where the file says (sum clamped at 2^-14), scaled."""
     w_K = scores_E[idx_K]
     if cfg.expert_weights_norm:
         w_K = w_K / jnp.maximum(jnp.sum(w_K), jnp.float32(WEIGHT_SUM_MIN))
-    w_K = w_K * jnp.float32(cfg.expert_weights_scale)
-    return island(Routing(idx_K, w_K, scores_E, swaps))
+    return w_K * jnp.float32(cfg.expert_weights_scale)
+
+
+def _plain_selection(logits_E: jax.Array, bias_E: jax.Array | None, cfg: ModelConfig):
+    """(idx, weights, scores) of the plain top-K in XLA's ops: the reference of topk_kernel.route."""
+    scores_E = gate_scores(logits_E, cfg.gating_func)
+    sel_E = scores_E if bias_E is None else scores_E + jnp.asarray(bias_E, jnp.float32)
+    idx_K = jax.lax.top_k(sel_E, cfg.n_experts_used)[1].astype(jnp.int32)
+    return idx_K, _weights(scores_E, idx_K, cfg), scores_E
 
 
 def route_rows(x_TD: jax.Array, gate_w, bias_E: jax.Array | None, cfg: ModelConfig,
