@@ -75,14 +75,12 @@ def _kernel(pos_ref, kv_t_ref, sc_t_ref, ape_ref, norm_ref, freqs_ref, kv_in, sc
         sc = sc_t_ref[col]
         return sc + ape_ref[pos % r, col] if ape_ref is not None else sc
 
-    def write_ring(j, carry):
-        col = j * cols + at_c
-        kv_out[slot, col] = kv_t_ref[col]
-        if has_gate:
-            sc_out[slot, col] = score_now(col)
-        return carry
-
-    lax.fori_loop(0, proj // cols, write_ring, 0)
+    # the ring row in one shot (a loop of chunks waits on each chunk's loads in turn): lanes past the row repeat its
+    # last column and write it again
+    col = jnp.minimum(_ar(_pow2(proj)), proj - 1)
+    kv_out[slot, col] = kv_t_ref[col]
+    if has_gate:
+        sc_out[slot, col] = score_now(col)
 
     def pooled(at):
         """The block's pooled values at columns `at` [cols] (before the norm)."""
