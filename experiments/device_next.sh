@@ -263,15 +263,16 @@ case "${1:-}" in
   softmax)  # the attention's softmax with its sink as one launch (layers/sink_softmax_kernel.py) against XLA's four
     v4_ab JDS41_SOFTMAX_KERNEL tests/test_sink_softmax_kernel.py softmax ;;
   v4-state)  # the three opt-ins: their GPU tests, then V4-Flash 8 layers int8 with none, the compressor's, it and
-    # the softmax's, all three (rounds while SECONDS < V4_STATE_UNTIL_S, 0: one), then a profile of all three and of
-    # none while SECONDS < 440
+    # the softmax's, all three (V4_STATE_ARMS="0 0 0;1 1 1" for the first and last alone; rounds while SECONDS <
+    # V4_STATE_UNTIL_S, 0: one), then a profile of all three and of none while SECONDS < 440
     python3 -m pytest -q -m gpu tests/test_compressor_kernel.py tests/test_sink_softmax_kernel.py \
       tests/test_topk_kernel.py -p no:cacheprovider -rf --tb=short > "$OUT/v4_state_gpu_tests.txt" 2>&1 || true
     tail -3 "$OUT/v4_state_gpu_tests.txt"
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_v4_state_8L.jsonl")
     while true; do
-      for arm in "0 0 0" "1 0 0" "1 1 0" "1 1 1"; do
+      IFS=';' read -ra arms <<< "${V4_STATE_ARMS:-0 0 0;1 0 0;1 1 0;1 1 1}"
+      for arm in "${arms[@]}"; do
         set -- $arm
         JDS41_COMPRESSOR_KERNEL=$1 JDS41_SOFTMAX_KERNEL=$2 JDS41_ROUTE_KERNEL=$3 \
           python3 experiments/bench_decode.py "${v4[@]}"
