@@ -54,6 +54,7 @@ def _route_args(seed: int):
 
 
 def test_the_router_on_the_kernel_routes_as_before(monkeypatch):
+    monkeypatch.setattr(topk_kernel, "ROUTE_ENABLED", False)  # the top-K alone (JDS41_ROUTE_KERNEL=0): its bits
     cfg, gate, x, bias = _route_args(3)
     want = jax.jit(lambda x: router.route(x, gate, bias, cfg))(x)
     monkeypatch.setattr(topk_kernel, "ENABLED", True)
@@ -71,6 +72,7 @@ def test_the_selection_lowers_to_the_kernel_on_cuda_only_where_switched_on(monke
         traced = jax.jit(lambda x: router.route(x, gate, bias, cfg)).trace(x)
         return traced.lower(lowering_platforms=(platform,)).as_text()
 
+    monkeypatch.setattr(topk_kernel, "ROUTE_ENABLED", False)  # JDS41_ROUTE_KERNEL=0: the top-K alone
     monkeypatch.setattr(topk_kernel, "ENABLED", False)  # JDS41_TOPK_KERNEL=0
     assert "router_top_k" not in lowered("cuda")
     monkeypatch.setattr(topk_kernel, "ENABLED", True)  # the default
@@ -89,8 +91,9 @@ def test_the_compiled_kernel_is_lax_top_k_on_the_gpu():
         np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
 
 
-# The router's whole selection in one program (topk_kernel.route, JDS41_ROUTE_KERNEL): against router.py's XLA
-# spelling (`_plain_selection`, the reference): the same picks in the same order, weights and scores to f32 rounding.
+# The router's whole selection in one program (topk_kernel.route, the default; JDS41_ROUTE_KERNEL=0 keeps the top-K
+# alone): against router.py's XLA spelling (`_plain_selection`, the reference): the same picks in the same order,
+# weights and scores to f32 rounding.
 @pytest.mark.parametrize("gating,norm,bias", [("sqrtsoftplus", True, True), ("sigmoid", True, True),
                                               ("softmax", False, False), ("sqrtsoftplus", False, False)])
 def test_the_interpreted_route_kernel_routes_as_the_xla_spelling(gating, norm, bias):

@@ -85,7 +85,8 @@ print(json.dumps(res))
 # V4 (deepseek4) engine with its unlagged sublayer inputs' three launches (JDS41_MHC_KERNEL_V4, the default on CUDA)
 # and the co-launches (its compressors' and indexer's products of the attention input among them); "v4_state": a V4
 # engine whose compressors' sequential part is one launch each (layers/compressor_kernel.py) and its attention softmax
-# one (layers/sink_softmax_kernel.py), its router's selection one (topk_kernel.route), all three opt-in
+# one (layers/sink_softmax_kernel.py), its router's selection one (topk_kernel.route), all three the defaults on CUDA
+# (the other cases switch them off)
 @pytest.mark.parametrize("kernels", ["products", "attention", "mhc", "co_launch", "int8", "mhc_v4", "v4_state"])
 def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_path, kernels):
     arch = "deepseek4" if kernels in ("mhc_v4", "v4_state") else "deepseek41"

@@ -1,5 +1,6 @@
 """A compressor's sequential part (compressor.absorb) as one Pallas (Triton) launch on the GPU, updating the
-compressor's state in place (opt-in with JDS41_COMPRESSOR_KERNEL=1 until timed on a GPU).
+compressor's state in place (the default on CUDA since the forty-fourth session; JDS41_COMPRESSOR_KERNEL=0 keeps
+XLA's spelling).
 
 Why (results/profile_decode_attn_together43_8L_h100.jsonl, `one_token`): XLA:GPU runs one token's `absorb` as about
 seven kernels of 1-2.3 us (the two ring writes, the pooling's softmax and sum, the norm, RoPE, the read of the old
@@ -40,7 +41,10 @@ from jax.experimental import pallas as pl
 
 from jds41.quant import triton_matvec
 
-ENABLED = os.environ.get("JDS41_COMPRESSOR_KERNEL", "0") == "1"
+# On by default (read at import) since its H100 run at ffbbc38 (with the softmax's and the router's kernels): V4-Flash
+# 8 layers int8 decoded at 581.1 against 552.5 tok/s (results/bench_decode_v4_state44_8L_h100.jsonl), its GPU tests
+# passed (v4_state_gpu_tests44_h100.txt); a compressor's step takes one launch of ~1.5 us where XLA ran ~7
+ENABLED = os.environ.get("JDS41_COMPRESSOR_KERNEL", "1") != "0"
 MOST_VALUES = 4096  # candidates x columns a pooling chunk holds, at most (registers: ~32 f32 a thread at 4 warps)
 WARPS = 4
 

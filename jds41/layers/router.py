@@ -78,7 +78,7 @@ def route(x_D: jax.Array, gate_w, bias_E: jax.Array | None, cfg: ModelConfig, ha
     k = cfg.n_experts_used
     logits_E = qmatvec(island(jnp.asarray(x_D, jnp.float32)), gate_w)
     if hash_ids_K is None and lean is None and topk_kernel.route_applies(logits_E.shape[-1], k):
-        idx_K, w_K, scores_E = topk_kernel.route(  # scores, top-K and weights in one program (opt-in)
+        idx_K, w_K, scores_E = topk_kernel.route(  # scores, top-K and weights in one program on CUDA
             logits_E, None if bias_E is None else jnp.asarray(bias_E, jnp.float32), k, cfg.gating_func,
             cfg.expert_weights_norm, cfg.expert_weights_scale, default=lambda lg: _plain_selection(lg, bias_E, cfg))
         return island(Routing(idx_K, w_K, scores_E, jnp.int32(0)))

@@ -1,5 +1,5 @@
 """The attention's softmax with its sink (attention.attend_xla, between its two products) as one Pallas (Triton)
-launch on the GPU (opt-in with JDS41_SOFTMAX_KERNEL=1 until timed on a GPU).
+launch on the GPU (the default on CUDA since the forty-fourth session; JDS41_SOFTMAX_KERNEL=0 keeps XLA's four).
 
 Why (results/profile_decode_attn_together43_8L_h100.jsonl, `one_token`): between the scores' product and the
 weighted sum XLA:GPU runs the scale and the mask, the maximum, the exponentials' sum and the division as four
@@ -26,7 +26,9 @@ from jax.experimental import pallas as pl
 
 from jds41.quant import triton_matvec
 
-ENABLED = os.environ.get("JDS41_SOFTMAX_KERNEL", "0") == "1"
+# On by default (read at import) since its H100 run at ffbbc38, with the compressor's and the router's kernels
+# (layers/compressor_kernel.py says what it measured): ~1.5 us a layer where XLA's four took ~5.4
+ENABLED = os.environ.get("JDS41_SOFTMAX_KERNEL", "1") != "0"
 MAX_KEYS = 8192  # keys a program holds in registers (V4-Flash: a window of 128 and up to 512 selected rows)
 
 

@@ -14,7 +14,8 @@ it runs the kernel (JDS41_TOPK_KERNEL=0, read at import, keeps XLA's sort there,
 `lax.top_k`, the reference; JDS41_TRITON=interpret runs the kernel on every platform through Pallas' interpreter
 (tests/test_topk_kernel.py). Values are copied, never computed, so the kernel and the reference agree bit for bit.
 
-`route(logits_E, ...)` (opt-in with JDS41_ROUTE_KERNEL=1 until timed on a GPU) is the router's whole selection in
+`route(logits_E, ...)` (the default on CUDA since the forty-fourth session; JDS41_ROUTE_KERNEL=0 keeps the top-K alone
+in the kernel) is the router's whole selection in
 the same one program: the gating scores of the logits, the bias, the top-K and the weights (the chosen scores,
 normalised and scaled), where XLA ran the scores and the weights as a kernel each around the top-K's (~1.2 us each,
 results/profile_decode_attn_together43_8L_h100.jsonl: `loop_add_sqrt_fusion`, `loop_multiply_fusion`). Its scores
@@ -37,7 +38,9 @@ from jds41.quant import triton_matvec
 WEIGHT_SUM_MIN = 6.103515625e-5  # the routed-weight sum's clamp (llama.cpp's 2^-14), router.py's too
 
 ENABLED = os.environ.get("JDS41_TOPK_KERNEL", "1") == "1"
-ROUTE_ENABLED = os.environ.get("JDS41_ROUTE_KERNEL", "0") == "1"
+# the whole selection: on by default since its H100 run at ffbbc38 (with the compressor's and softmax's kernels;
+# layers/compressor_kernel.py says what it measured): 3.25 us a layer where the top-K's 2.43 and XLA's two ~1.25
+ROUTE_ENABLED = os.environ.get("JDS41_ROUTE_KERNEL", "1") != "0"
 MAX_N = 1024  # scores one program holds (a router's experts; V4.1 384, V4-Flash 256)
 
 
