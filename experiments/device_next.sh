@@ -71,17 +71,20 @@
 #                                             # them one by one; 084a7bd on an H100: 560.3 against 553.0), ~7 min
 #   bash experiments/device_next.sh compressor  # a compressor's ring writes, pooling, norm, RoPE and row write as
 #                                             # one launch updating its state in place (layers/compressor_kernel.py,
-#                                             # JDS41_COMPRESSOR_KERNEL=1) against XLA's ~7 kernels, ~7 min
+#                                             # the default since ffbbc38's run; JDS41_COMPRESSOR_KERNEL=0 keeps
+#                                             # XLA's ~7 kernels) against XLA's, ~7 min
 #   bash experiments/device_next.sh softmax   # the attention's softmax with its sink as one launch a layer
-#                                             # (layers/sink_softmax_kernel.py, JDS41_SOFTMAX_KERNEL=1) against
-#                                             # XLA's four kernels, ~7 min
-#   bash experiments/device_next.sh v4-state  # the last two and the router's selection in one program
-#                                             # (layers/topk_kernel.py's `route`, JDS41_ROUTE_KERNEL=1): their GPU
-#                                             # tests, decode with none, adding one at a time; a profile of all
-#                                             # three and of none, ~9 min
-#     The four above it through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB pairs while SECONDS < V4_AB_UNTIL_S (0: one
-#     pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400); the forty-third session ran them as
-#     separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_* (experiments/README.md)
+#                                             # (layers/sink_softmax_kernel.py, the default; JDS41_SOFTMAX_KERNEL=0)
+#                                             # against XLA's four kernels, ~7 min
+#   bash experiments/device_next.sh v4-state  # those two and the router's selection in one program
+#                                             # (layers/topk_kernel.py's `route`, the default; JDS41_ROUTE_KERNEL=0):
+#                                             # their GPU tests, decode with none, adding one at a time; a profile
+#                                             # of all three and of none, ~9 min. At ffbbc38 on an H100 (none, all
+#                                             # three): 552.5 against 581.1 tok/s
+#     mhc-v4, attn-together, compressor and softmax run through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB
+#     pairs while SECONDS < V4_AB_UNTIL_S (0: one pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400);
+#     the forty-third session ran the first two as separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_*
+#     (experiments/README.md)
 #   bash experiments/device_next.sh small-tiles  # V4-Flash's small Q8_0 products of the attention input ([1024, 4096],
 #                                             # [512, 4096]: no measured tile, the rule's one row a program): a
 #                                             # sweep of 4-warp unsplit tiles (a co-launch has one warp count), the
