@@ -21,6 +21,9 @@ normalised and scaled), where XLA ran the scores and the weights as a kernel eac
 results/profile_decode_attn_together43_8L_h100.jsonl: `loop_add_sqrt_fusion`, `loop_multiply_fusion`). Its scores
 are Triton's sqrt, exp and log1p, so it agrees with router.py's XLA spelling to f32 rounding, not bitwise (a pick
 can differ only where two biased scores are within that rounding); on CUDA every path's router takes it when on.
+An engine with the router lean compiled in (a tier profile that enables it) keeps XLA's spelling for its selection,
+which the kernel does not take: there a lean backed off to margin 0 routes as the plain top-K of XLA's scores, the
+same as this kernel's picks but for such near-ties.
 """
 
 from __future__ import annotations
