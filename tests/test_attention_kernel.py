@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jds41.layers import attention, attention_kernel
+from jds41.layers import attention, attention_kernel, sink_softmax_kernel
 from jds41.layers.attention_kernel import attend_kernels, parse_dot, parse_tile
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -158,6 +158,8 @@ def test_attend_lowers_to_the_kernels_on_cuda_only_when_switched_on(monkeypatch)
     monkeypatch.setattr(attention_kernel, "ENABLED", True)
     assert calls("cuda") == 2 and calls("cpu") == 0
     monkeypatch.setattr(attention_kernel, "ENABLED", False)
+    assert calls("cuda") == 1  # XLA's products around the softmax's one launch (layers/sink_softmax_kernel.py)
+    monkeypatch.setattr(sink_softmax_kernel, "ENABLED", False)
     assert calls("cuda") == 0
 
 
