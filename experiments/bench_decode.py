@@ -117,8 +117,9 @@ def kernel_ab() -> dict:
     shared experts' products share launches (JDS41_CO_LAUNCH: quant/co_launch.py) and an attention sublayer's
     products of its input (JDS41_CO_LAUNCH_ATTENTION, there too), whether a compressor's sequential part is one
     launch (JDS41_COMPRESSOR_KERNEL: layers/compressor_kernel.py) and the attention's softmax (JDS41_SOFTMAX_KERNEL:
-    layers/sink_softmax_kernel.py) and the router's selection (JDS41_ROUTE_KERNEL: layers/topk_kernel.py), and the
-    tiles JDS41_TILES set
+    layers/sink_softmax_kernel.py) and the router's selection (JDS41_ROUTE_KERNEL: layers/topk_kernel.py), whether an
+    FFN's hidden activations are one launch (JDS41_SWIGLU_KERNEL: quant/swiglu_kernel.py) and its input's int8 blocks
+    come from the launch writing it (JDS41_MHC_ROUND: layers/mhc_input_kernel.py), and the tiles JDS41_TILES set
     (quant/triton_matvec.py)."""
     from gguf import GGMLQuantizationType as T
 
@@ -130,7 +131,16 @@ def kernel_ab() -> dict:
         sink_softmax_kernel,
         topk_kernel,
     )
-    from jds41.quant import co_launch, int8_act, int8_round_kernel, planar, qtensor, triton_int8, triton_matvec
+    from jds41.quant import (
+        co_launch,
+        int8_act,
+        int8_round_kernel,
+        planar,
+        qtensor,
+        swiglu_kernel,
+        triton_int8,
+        triton_matvec,
+    )
 
     return {"kernel_prefetch": sorted(t.name for t in triton_matvec.PREFETCH),
             "kernel_splits": {t.name: v for t, v in triton_matvec.SPLITS.items()},
@@ -144,7 +154,8 @@ def kernel_ab() -> dict:
             "side_stream": side_stream.MECHANISM,
             "co_launch": co_launch.ENABLED, "co_launch_attention": co_launch.ATTENTION,
             "compressor_kernel": compressor_kernel.ENABLED, "softmax_kernel": sink_softmax_kernel.ENABLED,
-            "route_kernel": topk_kernel.ROUTE_ENABLED,
+            "route_kernel": topk_kernel.ROUTE_ENABLED, "swiglu_kernel": swiglu_kernel.ENABLED,
+            "mhc_round": mhc_input_kernel.ROUND_FFN_INPUT,
             "tiles_set": os.environ.get("JDS41_TILES", "")}
 
 

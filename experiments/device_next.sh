@@ -81,6 +81,11 @@
 #                                             # their GPU tests, decode with none, adding one at a time; a profile
 #                                             # of all three and of none, ~9 min. At ffbbc38 on an H100 (none, all
 #                                             # three): 552.5 against 581.1 tok/s
+#   bash experiments/device_next.sh ffn       # an FFN's hidden activations (SwiGLU, and the routed one's int8 rounding)
+#                                             # in one launch (quant/swiglu_kernel.py, the default; JDS41_SWIGLU_KERNEL=0)
+#                                             # and its input's int8 blocks written by the sublayer input's launch
+#                                             # (JDS41_MHC_ROUND=0 turns it off): GPU tests, V4 8 layers and V4.1 4
+#                                             # layers int8 with both off against the defaults, a V4 profile an arm
 #     mhc-v4, attn-together, compressor and softmax run through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB
 #     pairs while SECONDS < V4_AB_UNTIL_S (0: one pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400);
 #     the forty-third session ran the first two as separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_*
@@ -289,6 +294,32 @@ case "${1:-}" in
           --numerics int8 --out "$OUT/profile_decode_v4_state_8L.jsonl" || true
       fi
     done ;;
+  ffn)  # an FFN's hidden activations in one launch (quant/swiglu_kernel.py, JDS41_SWIGLU_KERNEL) and its input's
+    # int8 blocks from the sublayer input's launch (JDS41_MHC_ROUND): their GPU tests, then V4-Flash 8 layers int8
+    # and V4.1 4 layers int8 with both off against the defaults (pairs while SECONDS < FFN_UNTIL_S, 0: one each),
+    # then a profile of each arm on V4 while SECONDS < 470
+    python3 -u -m pytest -q -m gpu tests/test_swiglu_kernel.py tests/test_mhc_input_kernel.py tests/test_co_launch.py \
+      -p no:cacheprovider -rf --tb=short -s > "$OUT/ffn_gpu_tests.txt" 2>&1 || true
+    tail -3 "$OUT/ffn_gpu_tests.txt"
+    off=(JDS41_SWIGLU_KERNEL=0 JDS41_MHC_ROUND=0)
+    v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
+        --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_ffn_v4_8L.jsonl")
+    while true; do
+      env "${off[@]}" python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the 28 GB file
+      python3 experiments/bench_decode.py "${v4[@]}"
+      (( SECONDS < ${FFN_UNTIL_S:-0} )) || break
+    done
+    for arm in on off; do
+      (( SECONDS < 400 )) || break
+      e=(); [ "$arm" = off ] && e=("${off[@]}")
+      env "${e[@]}" python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 --prompt 64 \
+        --decode 64 --numerics int8 --out "$OUT/profile_decode_ffn_v4_8L.jsonl" || true
+    done
+    rm -rf /tmp/jds41-bench  # the disk holds one file at a time
+    if (( SECONDS < 470 )); then
+      env "${off[@]}" python3 experiments/bench_decode.py "${V41_DECODE[@]}" --out "$OUT/bench_decode_ffn_v41_4L.jsonl"
+      python3 experiments/bench_decode.py "${V41_DECODE[@]}" --out "$OUT/bench_decode_ffn_v41_4L.jsonl"
+    fi ;;
   small-tiles)
     python3 experiments/bench_kernels.py --shapes attn-q-a,attn-kv --tiles --rows 1,2,4,8 --blocks 16,32,64,128 \
       --warps 4 --splits 1 --out "$OUT/bench_kernels_small_tiles.jsonl" > /dev/null

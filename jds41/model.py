@@ -33,7 +33,7 @@ from jds41.layers.moe import routed_and_shared, shared_expert
 from jds41.layers.norm import rms_norm
 from jds41.layers.rope import layer_rope_freqs
 from jds41.layers.router import route
-from jds41.quant import QTensor, co_launch, qmatvec
+from jds41.quant import QTensor, co_launch, qmatvec, qtensor
 from jds41.tiers.experts import prefetch_experts, select_experts, tiered_routed_experts
 
 
@@ -237,8 +237,9 @@ def route_layer(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
     return route(h_D, w["ffn_gate_inp"], w["exp_probs_b"], cfg, lean=lean)
 
 
-def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
-    """(FFN output [D], the routed expert ids [K] that produced it, experts the router lean swapped in)."""
+def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token, h_blocks=None):
+    """(FFN output [D], the routed expert ids [K] that produced it, experts the router lean swapped in). `h_blocks`:
+    h's int8 blocks (q, d) where the sublayer input's launch wrote them (`rounds_ffn_input`)."""
     cfg = plan.cfg
     r = route_layer(plan, lp, w, h_D, token)
     idx, weight = r.idx_K, r.weight_K
@@ -256,7 +257,7 @@ def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token):
         routed, at = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), idx
     # the shared expert's products share the routed ones' launches where quant/co_launch.py is on (same bits)
     y = routed_and_shared(h_D, routed, at, weight, cfg.swiglu_limit[lp.index], shared,
-                          cfg.swiglu_limit_shexp[lp.index] if shared else None)
+                          cfg.swiglu_limit_shexp[lp.index] if shared else None, x_blocks=h_blocks)
     return y, idx, r.swaps
 
 
@@ -265,13 +266,14 @@ def _sublayer_mix(cfg: ModelConfig, w: dict, branch: str, x_HD):
     return hc_split(mix, w[f"hc_{branch}_scale"], w[f"hc_{branch}_base"], cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
 
-def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H):
+def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H, round_h: bool = False):
     """One row's sublayer input from the stream x [H, D]: (h [D] its normed input, pre, post, comb), every path's
     (decode, prefill, layer-major groups, verify rows). The collapse takes the handed-over `pre_prev_H` (V4.1's lag)
     or this sublayer's own pre (V4). (Two fused Triton forms of this chain ran slower than XLA's ten kernels on the
     H200: experiments/README.md, twenty-fourth session; under the lag, layers/mhc_input_kernel.py's two launches
     won on an H100 in the thirty-sixth and run on CUDA unless JDS41_MHC_KERNEL=0; V4's three launches, unlagged,
-    built in the forty-second session, won on an H100 in the forty-third and run unless JDS41_MHC_KERNEL_V4=0.)"""
+    built in the forty-second session, won on an H100 in the forty-third and run unless JDS41_MHC_KERNEL_V4=0.)
+    `round_h` (decode's FFN, where `rounds_ffn_input`) appends h's int8 blocks (q, d), written by h's own launch."""
     def xla(x_HD, pre_prev_H):
         pre, post, comb = _sublayer_mix(cfg, w, branch, x_HD)
         h = rms_norm(hc_collapse(x_HD, pre_prev_H if cfg.hc_lag else pre), w[f"{branch}_norm"], cfg.rms_eps)
@@ -281,8 +283,26 @@ def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H):
         return mhc_input_kernel.sublayer_input(
             x_HD, pre_prev_H if cfg.hc_lag else None, w[f"hc_{branch}_fn"], w[f"hc_{branch}_scale"],
             w[f"hc_{branch}_base"], w[f"{branch}_norm"], rms_eps=cfg.rms_eps, hc_eps=cfg.hc_eps,
-            iters=cfg.hc_sinkhorn_iters, default=xla)
+            iters=cfg.hc_sinkhorn_iters, default=xla, round_h=round_h)
+    if round_h:
+        raise ValueError("sublayer_input: round_h where the sublayer input's kernels do not run (rounds_ffn_input)")
     return xla(x_HD, pre_prev_H)
+
+
+def rounds_ffn_input(plan: ModelPlan, w: dict) -> bool:
+    """Whether decode's FFN input comes with its int8 blocks (`sublayer_input`'s round_h): the sublayer input's
+    kernels run and can round, and the routed gate/up products read int8 blocks in their plain order (the "int8"
+    numerics' two-bit and MXFP4 experts), computed from a resident stack (the tiers' pieces round their own x: the
+    same bits). The blocks then come from the launch that writes h, not a rounding launch of their own."""
+    cfg = plan.cfg
+    if "ffn_gate_exps" not in w or plan.ssd_call == "on-miss" or "routed" in w:
+        return False
+    if not (mhc_input_kernel.ROUND_FFN_INPUT and co_launch.ENABLED and cfg.n_shared_experts):
+        return False  # (routed_and_shared's co-launch is what reads them)
+    if not (mhc_input_kernel.applies(cfg.hc_mult, cfg.dim, cfg.hc_mix, lagged=cfg.hc_lag)
+            and mhc_input_kernel.rounds(cfg.dim)):
+        return False
+    return qtensor.reads_plain_int8(w["ffn_gate_exps"])
 
 
 def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows: jax.Array | None,
@@ -316,12 +336,13 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
             features[lp.index] = jnp.mean(x, axis=0)
         for branch in ("attn", "ffn"):
             with jax.named_scope(branch):
-                h, pre, post, comb = sublayer_input(cfg, w, branch, x, pre_prev)
+                round_h = branch == "ffn" and rounds_ffn_input(plan, w)
+                h, pre, post, comb, *h_blocks = sublayer_input(cfg, w, branch, x, pre_prev, round_h)
                 if branch == "attn":
                     out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared, together=True)
                 else:
                     predicted.append(_predict_next(plan, lp, params, h))
-                    out, idx, n_swaps = _ffn_block(plan, lp, w, h, token)
+                    out, idx, n_swaps = _ffn_block(plan, lp, w, h, token, tuple(h_blocks) or None)
                     routing.append(idx)
                     swaps.append(n_swaps)
                 x = hc_expand(x, out, post, comb)

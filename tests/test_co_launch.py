@@ -165,6 +165,29 @@ def test_routed_and_shared_gives_the_separate_functions_bits(interpreted, limits
            jax.jit(lambda x: moe.routed_experts(x, *routed, idx, weight, limits[0]))(x))
 
 
+def test_routed_and_shared_with_xs_blocks_given_gives_the_same_bits_without_rounding_again(interpreted, monkeypatch):
+    """x's int8 blocks handed in (as the sublayer input's launch writes them, model.rounds_ffn_input) replace the
+    gate/up launch's own rounding of x: the same bits, and lowered for CUDA one rounding launch fewer."""
+    from jds41.quant import int8_round_kernel
+
+    rng = np.random.default_rng(15)
+    routed, shared = _layer(rng, F=256)
+    x = jnp.asarray(rng.standard_normal(512) * 3, jnp.float32)
+    idx, weight = jnp.asarray([2, 4, 1], jnp.int32), jnp.asarray([0.5, 0.3, 0.2], jnp.float32)
+    run = lambda x, blocks: moe.routed_and_shared(x, routed, idx, weight, 7.0, shared, 10.0, x_blocks=blocks)  # noqa
+    _equal(jax.jit(lambda x: run(x, round_int8(x)))(x), jax.jit(lambda x: run(x, None))(x))
+    monkeypatch.setattr(triton_matvec, "INTERPRET", False)
+    monkeypatch.setattr(triton_matvec, "has_triton_backend", lambda: True)
+    monkeypatch.setattr(triton_matvec, "_BACKEND", True)
+    monkeypatch.setattr(int8_round_kernel, "ENABLED", True)
+
+    def rounds(blocks):
+        fn = (lambda x: run(x, round_int8(x))) if blocks else (lambda x: run(x, None))
+        return jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text().count('name = "round_int8"')
+
+    assert (rounds(True), rounds(False)) == (0, 1)  # the down products' rounding is the hidden launch's
+
+
 # A V4 CSA layer's products of its attention input (W_qa, W_kv, the compressor's and the indexer compressor's
 # W_kv and W_gate, the indexer's W_proj), Q8_0 planar, at [n_out] x D
 _V4_ATTENTION = {"attn_q_a": 64, "attn_kv": 32, "attn_compressor_kv": 64, "attn_compressor_gate": 64,

@@ -23,6 +23,7 @@ from jds41.layers import mhc_input_kernel
 from jds41.layers.mhc import hc_collapse, hc_mix, hc_split
 from jds41.layers.mhc_input_kernel import sublayer_input_rows
 from jds41.layers.norm import rms_norm
+from jds41.quant.int8_act import round_int8
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
 RMS_EPS, HC_EPS = 1e-6, 1e-6
@@ -91,6 +92,25 @@ def test_the_interpreted_kernels_equal_the_xla_spelling_and_a_float64_rederivati
         np.testing.assert_allclose(g, ref, rtol=0, atol=2e-6 * scale, err_msg=name)
     # the kernels really ran: the mix is summed in another order (fn @ x, then the RMS), so its bits differ
     assert not all(np.array_equal(g, np.asarray(x)) for g, x in zip(got, _xla(*args, 20)))
+
+
+@pytest.mark.parametrize("lag", ["lagged", "unlagged"])
+@pytest.mark.parametrize("most_cols", [128, 32])
+def test_round_h_adds_hs_int8_blocks_as_the_rounding_gives_them(most_cols, lag):
+    """The FFN input's int8 blocks written by h's launch (round_h): h and the rest unchanged, (q, d) bit for bit
+    `round_int8` of that h (what the routed gate/up launch would otherwise round in a launch of its own)."""
+    args = _inputs(2, 384, seed=4)
+    args = args if lag == "lagged" else _unlagged(args)
+    plain = [np.asarray(a) for a in _kernel(args, 3, most_cols=most_cols)]
+    got = [np.asarray(a) for a in _kernel(args, 3, most_cols=most_cols, round_h=True)]
+    assert len(got) == 6
+    for g, p in zip(got[:4], plain):
+        np.testing.assert_array_equal(g, p)
+    q, d = round_int8(jnp.asarray(got[0]))
+    np.testing.assert_array_equal(got[4], np.asarray(q))
+    np.testing.assert_array_equal(got[5], np.asarray(d))
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        _kernel(_inputs(1, 16 * 3, seed=5), 3, most_cols=16, round_h=True)  # 16 columns a program
 
 
 def test_a_layout_the_kernels_cannot_take_is_refused():

@@ -17,7 +17,9 @@ whose attention softmax is one (layers/sink_softmax_kernel.py, JDS41_SOFTMAX_KER
 selection is one (layers/topk_kernel.py's `route`, JDS41_ROUTE_KERNEL=1): every path takes them. The "int8"
 case opens every engine with the int8 numerics (quant/int8_act.py): the MXFP4 experts' products are then the dp4a
 kernel's (quant/triton_int8.py), co-launched beside the shared expert's f32 Q8_0 product, and the reference is the
-XLA engine with that numerics."""
+XLA engine with that numerics, and its sublayer inputs' kernels run too, so decode's FFN input comes with its
+int8 blocks from the launch that writes it (model.rounds_ffn_input). Every case computes its FFNs' hidden activations by quant/swiglu_kernel.py (the
+default on CUDA): with the int8 numerics rounded in the same launch, with the co-launch both experts' in one."""
 
 from __future__ import annotations
 
@@ -50,13 +52,16 @@ from jds41.speculative import DSparkDrafter, SpeculativeSession
 model, profile, out, numerics = sys.argv[1:5]
 toks = [int(t) for t in np.random.default_rng(3).integers(8, 400, 40)]
 from jds41.layers import attention_kernel, compressor_kernel, mhc_input_kernel, sink_softmax_kernel, topk_kernel
-from jds41.quant import co_launch
-res = {"interpret": triton_matvec.INTERPRET, "attention_kernel": attention_kernel.applies(32),
+from jds41.quant import co_launch, swiglu_kernel
+res = {"interpret": triton_matvec.INTERPRET, "swiglu_kernel": swiglu_kernel.ENABLED,
+       "attention_kernel": attention_kernel.applies(32),
        "mhc_kernel": mhc_input_kernel.applies(4, 64, 24),
        "mhc_v4_kernel": mhc_input_kernel.applies(4, 64, 24, lagged=False), "co_launch": co_launch.ENABLED,
        "compressor_kernel": compressor_kernel.applies(4, 64, True), "softmax_kernel": sink_softmax_kernel.applies(8),
        "route_kernel": topk_kernel.route_applies(16, 4)}
 e = Engine.open(model, max_ctx=128, prefill_chunk=16, numerics=numerics)
+from jds41 import model as M
+res["ffn_input_rounded"] = any(M.rounds_ffn_input(e.plan, b) for b in e.params["blocks"])
 want = e.session().feed(toks, all_logits=True)
 np.save(out, want)
 gen = list(e.session().generate(toks, 8))
@@ -81,7 +86,8 @@ print(json.dumps(res))
 # "attention": the attention kernels too (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1), vmapped at width 4;
 # "mhc": the sublayer inputs' kernels too (layers/mhc_input_kernel.py; the default on CUDA, off in the others);
 # "co_launch": the routed and shared experts' products in shared launches (quant/co_launch.py, the default on CUDA;
-# the other cases set JDS41_CO_LAUNCH=0); "int8": the int8 numerics, its MXFP4 products co-launched; "mhc_v4": a
+# the other cases set JDS41_CO_LAUNCH=0); "int8": the int8 numerics, its MXFP4 products co-launched, its sublayer
+# inputs' kernels on (decode's FFN input then comes with its int8 blocks, model.rounds_ffn_input); "mhc_v4": a
 # V4 (deepseek4) engine with its unlagged sublayer inputs' three launches (JDS41_MHC_KERNEL_V4, the default on CUDA)
 # and the co-launches (its compressors' and indexer's products of the attention input among them); "v4_state": a V4
 # engine whose compressors' sequential part is one launch each (layers/compressor_kernel.py) and its attention softmax
@@ -96,7 +102,7 @@ def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_p
     out = tmp_path / "kernel_logits.npy"
     env = {**os.environ, "JDS41_TRITON": "interpret", "JAX_PLATFORMS": "cpu",
            "JDS41_ATTN_KERNEL": "1" if kernels == "attention" else "0",
-           "JDS41_MHC_KERNEL": "1" if kernels in ("mhc", "mhc_v4") else "0",
+           "JDS41_MHC_KERNEL": "1" if kernels in ("mhc", "mhc_v4", "int8") else "0",
            "JDS41_MHC_KERNEL_V4": "1" if kernels == "mhc_v4" else "0",
            "JDS41_CO_LAUNCH": "1" if kernels in ("co_launch", "int8", "mhc_v4") else "0",
            "JDS41_COMPRESSOR_KERNEL": "1" if kernels == "v4_state" else "0",
@@ -108,8 +114,9 @@ def test_the_engine_keeps_its_invariances_with_the_kernel(synthetic_model, tmp_p
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=1100)
     assert res.returncode == 0, res.stderr[-4000:]
     checks = json.loads(res.stdout.strip().splitlines()[-1])
-    assert checks == {"interpret": True, "attention_kernel": kernels == "attention",
-                      "mhc_kernel": kernels in ("mhc", "mhc_v4"), "mhc_v4_kernel": kernels == "mhc_v4",
+    assert checks == {"interpret": True, "swiglu_kernel": True, "attention_kernel": kernels == "attention",
+                      "mhc_kernel": kernels in ("mhc", "mhc_v4", "int8"), "mhc_v4_kernel": kernels == "mhc_v4",
+                      "ffn_input_rounded": kernels == "int8",
                       "co_launch": kernels in ("co_launch", "int8", "mhc_v4"),
                       "compressor_kernel": kernels == "v4_state", "softmax_kernel": kernels == "v4_state",
                       "route_kernel": kernels == "v4_state",

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jds41.layers.moe import swiglu
 from jds41.quant import qmatmul_expert
+from jds41.quant.swiglu_kernel import swiglu
 
 
 def tile_plan(idx_P: jax.Array, n_experts: int, tile: int):

@@ -51,7 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jds41.layers import sinkhorn_kernel
-from jds41.quant import triton_matvec
+from jds41.quant import int8_round_kernel, triton_matvec
+from jds41.quant.int8_act import BLOCK, round_int8
 
 H = sinkhorn_kernel.H
 MOST_COLS = 128  # stream columns of every copy a `_partials` program takes, at most (a power of two)
@@ -60,6 +61,9 @@ MIX = (2 + H) * H
 ENABLED = os.environ.get("JDS41_MHC_KERNEL", "1") != "0"
 # V4's unlagged three launches: on unless JDS41_MHC_KERNEL_V4=0 (timed on an H100 in the forty-third session)
 ENABLED_V4 = os.environ.get("JDS41_MHC_KERNEL_V4", "1") != "0"
+# decode's FFN input rounded to int8 blocks by the launch that writes it (`round_h`, model.rounds_ffn_input): on
+# unless JDS41_MHC_ROUND=0 (forty-fifth session; the same bits either way, one rounding launch a routed FFN fewer)
+ROUND_FFN_INPUT = os.environ.get("JDS41_MHC_ROUND", "1") != "0"
 
 
 def _ar(n: int) -> jax.Array:
@@ -143,19 +147,34 @@ def _split_row(n, mix, pre, scale_ref, base_ref, pre_ref, post_ref, comb_ref, *,
     comb_ref[n, src_dst] = sinkhorn_kernel.normalise(logits, hc_eps, iters)
 
 
-def _write_normed(n, p, part_ref, y_ref, norm_ref, h_ref, *, d: int, cols: int, programs: int, rms_eps: float):
-    """h's columns of program p: y * rsqrt(mean(y^2) + eps) * norm, mean(y^2) from the y^2 shares (slot MIX + 1)."""
-    at, ps = p * cols + _ar(cols), _ar(_pow2(programs))
+def _write_normed(n, p, part_ref, y_ref, norm_ref, h_ref, rounded=None, *, d: int, cols: int, programs: int,
+                  rms_eps: float):
+    """h's columns of program p: y * rsqrt(mean(y^2) + eps) * norm, mean(y^2) from the y^2 shares (slot MIX + 1).
+    `rounded` (q_ref, d_ref, div, rint): also h's int8 blocks, as int8_round_kernel rounds them (the same code, so
+    the same bits as rounding the written h), for the int8 products of the FFN's routed experts."""
+    ps = _ar(_pow2(programs))
     y_squares = jnp.where(ps < programs, part_ref[n, jnp.minimum(ps, programs - 1), MIX + 1], jnp.float32(0))
     rms = lax.rsqrt(jnp.sum(y_squares) / jnp.float32(d) + jnp.float32(rms_eps))
-    h_ref[n, at] = y_ref[n, at] * rms * norm_ref[at]
+    if rounded is None:
+        at = p * cols + _ar(cols)
+        h_ref[n, at] = y_ref[n, at] * rms * norm_ref[at]
+        return
+    q_ref, d_ref, div, rint = rounded
+    nb = cols // BLOCK
+    at = int8_round_kernel.block_positions(p * nb, nb)  # [nb, 32]: the same columns as blocks of 32
+    h = y_ref[n, at] * rms * norm_ref[at]
+    h_ref[n, at] = h
+    q, scale = int8_round_kernel.round_blocks(h, div=div, rint=rint)
+    q_ref[n, at] = q
+    d_ref[n, p * nb + _ar(nb)] = scale
 
 
-def _normed_or_split(part_ref, y_ref, norm_ref, scale_ref, base_ref, h_ref, pre_ref, post_ref, comb_ref, *, d: int,
-                     cols: int, programs: int, rms_eps: float, hc_eps: float, iters: int):
-    """The second launch: programs 0 .. P - 1 write h's columns (y's RMS from the y^2 shares), program P splits
-    the mix (`_split_row`) at the same time."""
+def _normed_or_split(part_ref, y_ref, norm_ref, scale_ref, base_ref, h_ref, pre_ref, post_ref, comb_ref, *q_d_refs,
+                     d: int, cols: int, programs: int, rms_eps: float, hc_eps: float, iters: int, rounding=None):
+    """The second launch: programs 0 .. P - 1 write h's columns (y's RMS from the y^2 shares; with `rounding`,
+    (div, rint), h's int8 blocks too), program P splits the mix (`_split_row`) at the same time."""
     n, p = pl.program_id(0), pl.program_id(1)
+    rounded = None if rounding is None else (*q_d_refs, *rounding)
 
     @pl.when(p == programs)
     def split_program():
@@ -165,7 +184,8 @@ def _normed_or_split(part_ref, y_ref, norm_ref, scale_ref, base_ref, h_ref, pre_
 
     @pl.when(p < programs)
     def normed_program():
-        _write_normed(n, p, part_ref, y_ref, norm_ref, h_ref, d=d, cols=cols, programs=programs, rms_eps=rms_eps)
+        _write_normed(n, p, part_ref, y_ref, norm_ref, h_ref, rounded, d=d, cols=cols, programs=programs,
+                      rms_eps=rms_eps)
 
 
 def _split_collapse(part_ref, x_ref, scale_ref, base_ref, y_ref, ysq_ref, pre_ref, post_ref, comb_ref, *, d: int,
@@ -190,21 +210,25 @@ def _split_collapse(part_ref, x_ref, scale_ref, base_ref, y_ref, ysq_ref, pre_re
         ysq_ref[n, p, slot] = jnp.where(slot == MIX + 1, jnp.sum(y * y), zero)
 
 
-def _normed(part_ref, y_ref, norm_ref, h_ref, *, d: int, cols: int, programs: int, rms_eps: float):
-    """V4's third launch: h's columns."""
-    _write_normed(pl.program_id(0), pl.program_id(1), part_ref, y_ref, norm_ref, h_ref, d=d, cols=cols,
+def _normed(part_ref, y_ref, norm_ref, h_ref, *q_d_refs, d: int, cols: int, programs: int, rms_eps: float,
+            rounding=None):
+    """V4's third launch: h's columns (and with `rounding` their int8 blocks)."""
+    rounded = None if rounding is None else (*q_d_refs, *rounding)
+    _write_normed(pl.program_id(0), pl.program_id(1), part_ref, y_ref, norm_ref, h_ref, rounded, d=d, cols=cols,
                   programs=programs, rms_eps=rms_eps)
 
 
 @functools.partial(jax.jit, static_argnames=("rms_eps", "hc_eps", "iters", "interpret", "most_cols",
-                                             "partial_warps"))
+                                             "partial_warps", "round_h"))
 def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, rms_eps: float, hc_eps: float,
-                        iters: int, interpret: bool = False, most_cols: int = MOST_COLS, partial_warps: int = 4):
+                        iters: int, interpret: bool = False, most_cols: int = MOST_COLS, partial_warps: int = 4,
+                        round_h: bool = False):
     """(h [N, D], pre [N, H], post [N, H], comb [N, H, H]) of N rows' streams x [N, H, D]: under the lag (V4.1)
     collapsed with `pre_prev_NH` [N, H] in two launches; with `pre_prev_NH` None (V4) with each row's own pre, in
     three (the mix's shares; the split and the collapse; the norm). `most_cols` (a power of two) and
     `partial_warps` (a first-launch program's warps) are the layout experiments/bench_mhc_input.py sweeps; 128 and
-    4 were the fastest on an H100 (V4.1)."""
+    4 were the fastest on an H100 (V4.1). `round_h` (a program's columns whole blocks of 32: `rounds`) adds
+    (q int8 [N, D], d f32 [N, D / 32]) = int8_act.round_int8(h), written by the launch that writes h."""
     if most_cols < 16 or most_cols & (most_cols - 1) or partial_warps not in (1, 2, 4, 8):
         raise ValueError(f"mhc_input_kernel: {most_cols} columns and {partial_warps} warps a program; columns a "
                          "power of two of at least 16, warps 1, 2, 4 or 8")
@@ -224,27 +248,32 @@ def sublayer_input_rows(x_NHD, pre_prev_NH, fn_MK, scale_3, base_M, norm_D, *, r
         params = lambda warps: plgpu.CompilerParams(num_warps=warps, num_stages=1)  # noqa: E731
     row = lambda *shape: jax.ShapeDtypeStruct((N, *shape), jnp.float32)  # noqa: E731
     call = functools.partial(pl.pallas_call, interpret=interpret)
+    if round_h and cols % BLOCK:
+        raise ValueError(f"mhc_input_kernel: {cols} columns a program are not whole blocks of {BLOCK} to round")
+    rounding = int8_round_kernel.asm_or_plain(interpret) if round_h else None
+    q_d = (jax.ShapeDtypeStruct((N, d), jnp.int8), row(d // BLOCK)) if round_h else ()
     consts = dict(d=d, cols=cols, programs=programs, rms_eps=float(rms_eps))
     split = dict(hc_eps=float(hc_eps), iters=int(iters))
     if lagged:
         y, parts = call(functools.partial(_partials, d=d, cols=cols), grid=(N, programs),
                         compiler_params=params(partial_warps), out_shape=(row(d), row(programs, PAD)),
                         name="mhc_input_partials")(x_NHD, fn_MK, pre_prev_NH)
-        h, pre, post, comb = call(  # one warp a program: the split's Sinkhorn keeps every reduction in its warp
-            functools.partial(_normed_or_split, **consts, **split), grid=(N, programs + 1),
-            compiler_params=params(1), out_shape=(row(d), row(H), row(H), row(H * H)),
+        h, pre, post, comb, *q_d = call(  # one warp a program: the split's Sinkhorn keeps every reduction in its warp
+            functools.partial(_normed_or_split, **consts, **split, rounding=rounding), grid=(N, programs + 1),
+            compiler_params=params(1), out_shape=(row(d), row(H), row(H), row(H * H), *q_d),
             name="mhc_input_normed_split")(parts, y, norm_D, scale_3, base_M)
     else:
         parts = call(functools.partial(_mix_partials, d=d, cols=cols), grid=(N, programs),
                      compiler_params=params(partial_warps), out_shape=row(programs, PAD),
                      name="mhc_input_mix_partials")(x_NHD, fn_MK)
         y, y_parts, pre, post, comb = call(
-            functools.partial(_split_collapse, **consts, **split), grid=(N, programs + 1), compiler_params=params(1),
-            out_shape=(row(d), row(programs, PAD), row(H), row(H), row(H * H)),
+            functools.partial(_split_collapse, **consts, **split), grid=(N, programs + 1),
+            compiler_params=params(1), out_shape=(row(d), row(programs, PAD), row(H), row(H), row(H * H)),
             name="mhc_input_split_collapse")(parts, x_NHD, scale_3, base_M)
-        h = call(functools.partial(_normed, **consts), grid=(N, programs), compiler_params=params(1),
-                 out_shape=row(d), name="mhc_input_normed")(y_parts, y, norm_D)
-    out = (h, pre, post, comb.reshape(N, H, H))
+        h, *q_d = call(functools.partial(_normed, **consts, rounding=rounding), grid=(N, programs),
+                       compiler_params=params(1),
+                       out_shape=(row(d), *q_d), name="mhc_input_normed")(y_parts, y, norm_D)
+    out = (h, pre, post, comb.reshape(N, H, H), *q_d)
     return lax.optimization_barrier(out) if interpret else out
 
 
@@ -256,21 +285,33 @@ def applies(hc: int, d: int, mix_width: int, lagged: bool = True) -> bool:
             and triton_matvec.ENABLED and (triton_matvec.has_triton_backend() or triton_matvec.INTERPRET))
 
 
+def rounds(d: int) -> bool:
+    """Whether the launch writing h can round it to int8 blocks too (`round_h`): a program's columns whole blocks."""
+    return math.gcd(d, MOST_COLS) % BLOCK == 0
+
+
 def sublayer_input(x_HD, pre_prev_H, fn_MK, scale_3, base_M, norm_D, *, rms_eps: float, hc_eps: float, iters: int,
-                   default):
+                   default, round_h: bool = False):
     """One row's (h, pre, post, comb) (leading axes allowed): the kernels on CUDA (or interpreted), else
-    `default(x_HD, pre_prev_H)`, the XLA spelling. `pre_prev_H` None: no lag (V4), each row's own pre collapses."""
+    `default(x_HD, pre_prev_H)`, the XLA spelling. `pre_prev_H` None: no lag (V4), each row's own pre collapses.
+    `round_h` (where `rounds`) adds h's int8 blocks (q, d) = int8_act.round_int8(h), written by h's own launch on
+    CUDA and by XLA elsewhere (where nothing but a kernel's product reads them, so XLA drops them)."""
     lead, (hc, d) = x_HD.shape[:-2], x_HD.shape[-2:]
     x_NHD = x_HD.reshape(-1, hc, d)
     pre_NH = None if pre_prev_H is None else jnp.reshape(pre_prev_H, (-1, hc))
     run = functools.partial(sublayer_input_rows, fn_MK=fn_MK, scale_3=scale_3, base_M=base_M, norm_D=norm_D,
-                            rms_eps=rms_eps, hc_eps=hc_eps, iters=iters)
+                            rms_eps=rms_eps, hc_eps=hc_eps, iters=iters, round_h=round_h)
+
+    def xla(x_HD, pre_prev_H):
+        out = default(x_HD, pre_prev_H)
+        return (*out, *round_int8(out[0])) if round_h else out
 
     if triton_matvec.INTERPRET:
         out = run(x_NHD, pre_NH, interpret=True)
     elif pre_NH is None:
-        out = lax.platform_dependent(x_NHD, cuda=lambda x: run(x, None), default=jax.vmap(lambda r: default(r, None)))
+        out = lax.platform_dependent(x_NHD, cuda=lambda x: run(x, None), default=jax.vmap(lambda r: xla(r, None)))
     else:
-        out = lax.platform_dependent(x_NHD, pre_NH, cuda=run, default=jax.vmap(default))
-    h, pre, post, comb = out
-    return h.reshape(*lead, d), pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc)
+        out = lax.platform_dependent(x_NHD, pre_NH, cuda=run, default=jax.vmap(xla))
+    h, pre, post, comb = out[:4]
+    shaped = (h.reshape(*lead, d), pre.reshape(*lead, hc), post.reshape(*lead, hc), comb.reshape(*lead, hc, hc))
+    return (*shaped, out[4].reshape(*lead, d), out[5].reshape(*lead, d // BLOCK)) if round_h else shaped

@@ -27,23 +27,8 @@ import jax.numpy as jnp
 from jds41.layers.rowwise import island, map_rows
 from jds41.layers.side_stream import on_side_stream
 from jds41.quant import co_launch, qmatvec, qmatvec_experts, qmatvec_experts_parts, qmatvec_parts
-
-CLAMP_MIN_LIMIT = 1e-6  # llama.cpp applies the SwiGLU clamps only for limit > 1e-6 (0 = off)
-
-
-def swiglu(gate: jax.Array, up: jax.Array, limit) -> jax.Array:
-    """silu(min(gate, limit)) * clip(up, -limit, limit); no clamp when limit <= 1e-6. f32."""
-    gate, up = jnp.asarray(gate, jnp.float32), jnp.asarray(up, jnp.float32)
-    if isinstance(limit, (int, float)):
-        if limit > CLAMP_MIN_LIMIT:
-            gate = jnp.minimum(gate, jnp.float32(limit))
-            up = jnp.clip(up, -jnp.float32(limit), jnp.float32(limit))
-    else:  # a traced per-layer limit (e.g. scanned over stacked layers)
-        lim = jnp.asarray(limit, jnp.float32)
-        on = lim > CLAMP_MIN_LIMIT
-        gate = jnp.where(on, jnp.minimum(gate, lim), gate)
-        up = jnp.where(on, jnp.clip(up, -lim, lim), up)
-    return jax.nn.silu(gate) * up
+from jds41.quant.qtensor import PreRounded
+from jds41.quant.swiglu_kernel import SwiGLU, swiglu  # swiglu: XLA's spelling, the reference (grouped experts too)
 
 
 def expert_outputs(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Array, weight_K: jax.Array, limit,
@@ -58,7 +43,8 @@ def expert_outputs(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Arr
     # where W_down rounds its activation (Q8_0 rounds h, not weight*h) it is not: follow llama.cpp there.
     if not down_exps.rounds_activation:
         return qmatvec_experts(swiglu(g_KF, u_KF, limit) * weight_K[:, None], down_exps, idx_K, tile_k=tile_k)
-    y_KD = qmatvec_experts(swiglu(g_KF, u_KF, limit), down_exps, idx_K, tile_k=tile_k)
+    # the hidden values and their rounding are one launch on CUDA (quant/swiglu_kernel.py), as in every FFN path
+    y_KD = qmatvec_experts(SwiGLU(g_KF, u_KF, limit), down_exps, idx_K, tile_k=tile_k)
     return y_KD * weight_K[:, None] if weigh_after_down else y_KD
 
 
@@ -83,20 +69,22 @@ def shared_expert(x_D: jax.Array, gate, up, down, limit) -> jax.Array:
     depend on the routed experts: with the side stream's site "shared" on (JDS41_SIDE_STREAM) its kernels run on a
     second CUDA stream beside theirs (layers/side_stream.py), the same values."""
     def body(x_D, gate, up, down):
-        h_F = swiglu(*qmatvec_parts(x_D, (gate, up)), limit)  # one launch where switched on, as above
-        return qmatvec(h_F, down)
+        h_F = SwiGLU(*qmatvec_parts(x_D, (gate, up)), limit)  # one launch where switched on, as above
+        return qmatvec(h_F, down)  # h computed in its CUDA branch (quant/swiglu_kernel.py), as in routed_and_shared
 
     return island(on_side_stream("shared", body, island(jnp.asarray(x_D, jnp.float32)), gate, up, down))
 
 
 def routed_and_shared(x_D: jax.Array, routed: tuple, idx_K: jax.Array, weight_K: jax.Array, limit,
-                      shared: tuple | None, limit_shexp) -> jax.Array:
+                      shared: tuple | None, limit_shexp, x_blocks: tuple | None = None) -> jax.Array:
     """`routed_experts(x_D, *routed, idx_K, weight_K, limit) + shared_expert(x_D, *shared, limit_shexp)` (the shared
     term left out where `shared` is None), the same bits. Where quant/co_launch.py is on (the default on CUDA;
     JDS41_CO_LAUNCH=0 turns it off) and every product is a kernel's, the routed and shared gate/up products are
     one launch and the two down products another: the shared expert's bandwidth-bound Q8_0 programs then run
     beside the routed experts' instruction-bound two-bit ones instead of after them. The values around the
-    launches are the separate functions' own ops in their own islands."""
+    launches are the separate functions' own ops in their own islands. `x_blocks`: x's int8 blocks (q, d) as
+    int8_act.round_int8 gives them, computed with x (model.rounds_ffn_input): the routed gate/up launch reads them
+    rather than rounding x again (the same bits)."""
     if shared is None or not co_launch.ENABLED:
         y = routed_experts(x_D, *routed, idx_K, weight_K, limit)
         return y if shared is None else y + shared_expert(x_D, *shared, limit_shexp)
@@ -105,11 +93,14 @@ def routed_and_shared(x_D: jax.Array, routed: tuple, idx_K: jax.Array, weight_K:
     x_r, idx_K, weight_K = island((jnp.asarray(x_D, jnp.float32), jnp.asarray(idx_K, jnp.int32),
                                    jnp.asarray(weight_K, jnp.float32)))
     x_s = island(jnp.asarray(x_D, jnp.float32))
+    if x_blocks is not None:
+        x_r = PreRounded(x_r, *island(tuple(x_blocks)))
     (g_KF, u_KF), (g_F, u_F) = co_launch.products((co_launch.Experts(x_r, (gate_exps, up_exps), idx_K),
                                                     co_launch.Dense(x_s, (gate, up))))
-    h_KF, h_F = swiglu(g_KF, u_KF, limit), swiglu(g_F, u_F, limit_shexp)
+    # both hidden activations, and the routed one's int8 rounding, in one launch on CUDA (quant/swiglu_kernel.py)
+    h_KF, h_F = SwiGLU(g_KF, u_KF, limit), SwiGLU(g_F, u_F, limit_shexp)
     if not down_exps.rounds_activation:  # the routing weight before or after W_down, as `expert_outputs`
-        h_KF = h_KF * weight_K[:, None]
+        h_KF = h_KF.value() * weight_K[:, None]
     (y_KD,), (y_s,) = co_launch.products((co_launch.Experts(h_KF, (down_exps,), idx_K),
                                           co_launch.Dense(h_F, (down,))))
     if down_exps.rounds_activation:

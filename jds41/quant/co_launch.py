@@ -131,13 +131,14 @@ def _separately(request):
     return qtensor.qmatvec_experts_parts(request.x, request.ws, request.idx, request.tile_k)
 
 
-def _job(request, interpret: bool) -> tm.Job:
+def _job(request, x_in, interpret: bool) -> tm.Job:
+    """The request's kernel job reading `x_in` (its x as `qtensor.kernel_inputs` prepares it)."""
     if isinstance(request, Dense):
         one = jnp.zeros(1, jnp.int32)
-        return qtensor.kernel_job(request.x[None], request.ws, tuple(jnp.asarray(w.data)[None] for w in request.ws),
-                                  one, None, interpret)
-    return qtensor.kernel_job(request.x.reshape(-1, request.x.shape[-1]), request.ws,
-                              tuple(jnp.asarray(w.data) for w in request.ws), request.idx, request.tile_k, interpret)
+        return qtensor.kernel_job(x_in, request.ws, tuple(jnp.asarray(w.data)[None] for w in request.ws), one, None,
+                                  interpret)
+    return qtensor.kernel_job(x_in, request.ws, tuple(jnp.asarray(w.data) for w in request.ws), request.idx,
+                              request.tile_k, interpret)
 
 
 def _one_launch(requests) -> bool:
@@ -161,7 +162,10 @@ def products(requests: tuple) -> tuple[tuple[jax.Array, ...], ...]:
         return tuple(_separately(r) for r in requests)
 
     def kernel(*_, interpret=False):
-        results = co_launch(tuple(_job(r, interpret) for r in requests), interpret)
+        # every request's x prepared together: the SwiGLU ones (a layer's down products) in one launch
+        xs = qtensor.kernel_inputs(tuple(qtensor.as_rows(r.x) for r in requests), tuple(r.ws[0] for r in requests),
+                                   interpret)
+        results = co_launch(tuple(_job(r, x, interpret) for r, x in zip(requests, xs)), interpret)
         outs = []
         for r, y in zip(requests, results):
             y = y if isinstance(y, tuple) else (y,)

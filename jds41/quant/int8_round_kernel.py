@@ -64,21 +64,48 @@ def _rint_plain(v):
     return jnp.round(v).astype(jnp.int32)  # half to even, as round_int8's
 
 
-def _kernel(x_ref, q_ref, d_ref, *, nbk: int, crumb_major: bool, div, rint):
-    row, chunk = pl.program_id(0), pl.program_id(1)
-    first = chunk * nbk  # the chunk's first block of 32
-    at = (first + jnp.arange(nbk, dtype=jnp.int32)[:, None]) * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)[None, :]
-    b = x_ref[row, at]  # [nbk, 32] f32
+def block_positions(first, nbk: int):
+    """[nbk, 32] positions in a row of the nbk blocks of 32 from block `first` on."""
+    return (first + jnp.arange(nbk, dtype=jnp.int32)[:, None]) * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)[None, :]
+
+
+def round_blocks(b, *, div, rint):
+    """f32 blocks [nb, 32] -> (q int8 [nb, 32], d f32 [nb]) as `round_int8` rounds them (module docstring)."""
     amax = jnp.max(jnp.abs(b), axis=1)
     live = amax != 0
     amax_or_1 = jnp.where(live, amax, np.float32(1))
     inv = jnp.where(live, div(jnp.full_like(amax, 127), amax_or_1), np.float32(0))
     q = jnp.clip(rint(b * inv[:, None]), -127, 127).astype(jnp.int8)
-    if crumb_major:  # value 4t + u of a block of 256 goes to 64u + t of it
-        within = at % 256
-        at = at - within + (within % 4) * 64 + within // 4
-    q_ref[row, at] = q
-    d_ref[row, first + jnp.arange(nbk, dtype=jnp.int32)] = amax * np.float32(1 / 127)
+    return q, amax * np.float32(1 / 127)
+
+
+def crumb_major_positions(at):
+    """Where Q2_K's kernel reads the values at row positions `at` (`triton_matvec._crumb_major`): value 4t + u of
+    a block of 256 at 64u + t of it."""
+    within = at % 256
+    return at - within + (within % 4) * 64 + within // 4
+
+
+def row_chunk(n_in: int, crumb_major: bool) -> int:
+    """Blocks of 32 a program takes of a row of n_in values: the largest power of two dividing the row's blocks,
+    capped, and whole blocks of 256 where q is written crumb-major (n_in % 256 == 0 makes 8 divide the blocks)."""
+    blocks = n_in // BLOCK
+    nbk = min(blocks & -blocks, _MOST_BLOCKS)
+    return max(nbk, 8) if crumb_major else nbk
+
+
+def asm_or_plain(interpret: bool):
+    """(div, rint) for a kernel body: PTX's IEEE division and half-to-even conversion compiled, jnp's interpreted."""
+    return (_div_rn_plain, _rint_plain) if interpret else (_div_rn_asm, _rint_asm)
+
+
+def _kernel(x_ref, q_ref, d_ref, *, nbk: int, crumb_major: bool, div, rint):
+    row, chunk = pl.program_id(0), pl.program_id(1)
+    first = chunk * nbk  # the chunk's first block of 32
+    at = block_positions(first, nbk)
+    q, d = round_blocks(x_ref[row, at], div=div, rint=rint)
+    q_ref[row, crumb_major_positions(at) if crumb_major else at] = q
+    d_ref[row, first + jnp.arange(nbk, dtype=jnp.int32)] = d
 
 
 @functools.partial(jax.jit, static_argnames=("crumb_major", "interpret"))
@@ -90,9 +117,7 @@ def round_int8_rows(x_XI: jax.Array, crumb_major: bool = False, interpret: bool 
     if n_in % BLOCK or (crumb_major and n_in % 256):
         raise ValueError(f"round_int8_rows: {n_in} values a row are not whole blocks of {256 if crumb_major else 32}")
     blocks = n_in // BLOCK
-    nbk = min(blocks & -blocks, _MOST_BLOCKS)  # the largest power of two dividing the row's blocks, capped
-    if crumb_major:
-        nbk = max(nbk, 8)  # whole blocks of 256 a program (n_in % 256 == 0 makes 8 divide the blocks)
+    nbk = row_chunk(n_in, crumb_major)
     params = None
     if interpret:  # interpreted, the kernel is XLA:CPU code inlined into its caller: keep its rounding its own
         x_XI = lax.optimization_barrier(x_XI)
@@ -100,9 +125,8 @@ def round_int8_rows(x_XI: jax.Array, crumb_major: bool = False, interpret: bool 
         from jax.experimental.pallas import triton as plgpu
 
         params = plgpu.CompilerParams(num_warps=2, num_stages=1)
-    kernel = functools.partial(_kernel, nbk=nbk, crumb_major=crumb_major,
-                               div=_div_rn_plain if interpret else _div_rn_asm,
-                               rint=_rint_plain if interpret else _rint_asm)
+    div, rint = asm_or_plain(interpret)
+    kernel = functools.partial(_kernel, nbk=nbk, crumb_major=crumb_major, div=div, rint=rint)
     q, d = pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((X, n_in), jnp.int8), jax.ShapeDtypeStruct((X, blocks), jnp.float32)),
         grid=(X, blocks // nbk), compiler_params=params, interpret=interpret, name="round_int8",

@@ -55,7 +55,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from jax import lax
 
-from jds41.quant import int8_round_kernel, planar, triton_int8, triton_matvec
+from jds41.quant import int8_round_kernel, planar, swiglu_kernel, triton_int8, triton_matvec
 from jds41.quant.blocks import (
     FLOAT_TYPES,
     NATIVE_DTYPES,
@@ -66,6 +66,7 @@ from jds41.quant.blocks import (
     native_to_f32,
 )
 from jds41.quant.int8_act import INT8_TYPES, int8_values, round_int8, xla_int8_rows_matvec
+from jds41.quant.swiglu_kernel import SwiGLU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +277,7 @@ def qmatvec_parts(x_in: jax.Array, ws: tuple[QTensor, ...]) -> tuple[jax.Array, 
             raise ValueError(f"qmatvec takes x[in] and a 2-d weight, got x{list(x_in.shape)} and "
                              f"w{list(w.data.shape)}")
         _check_in(x_in, w, "qmatvec")
+    x_in = _lazy_or_value(x_in, ws[0])
     if _ROWS_AS_DOTS.get():
         return tuple(jnp.einsum("i,oi->o", _act(x_in, w), _values(w.data, w.qtype, w.layout),
                                 precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) for w in ws)
@@ -283,12 +285,12 @@ def qmatvec_parts(x_in: jax.Array, ws: tuple[QTensor, ...]) -> tuple[jax.Array, 
         return tuple(qmatvec_parts(x_in, (w,))[0] for w in ws)
     w, raws, one = ws[0], _one_or_tuple(tuple(jnp.asarray(v.data)[None] for v in ws)), jnp.zeros(1, jnp.int32)
     if _int8(w):
-        return tuple(y[0] for y in _as_tuple(_int8_rows_matvec(x_in[None], w, raws, one)))
+        return tuple(y[0] for y in _as_tuple(_int8_rows_matvec(as_rows(x_in), w, raws, one)))
     xla = lambda x_I, raw_OR: _row_dot(_values(raw_OR, w.qtype, w.layout), _act(x_I, w))  # noqa: E731 (2-d)
     if not _kernel_applies(w):
         return tuple(xla(x_in, v.data) for v in ws)
     default = lambda x, raw, _idx: _each(raw, lambda r: xla(x[0], r[0])[None])  # noqa: E731
-    return tuple(y[0] for y in _as_tuple(rows_matvec(x_in[None], raws, one, w.qtype, w.layout, default=default)))
+    return tuple(y[0] for y in _as_tuple(rows_matvec(as_rows(x_in), raws, one, w.qtype, w.layout, default=default)))
 
 
 # One launch for a gate and an up product of one x (on by default since its first GPU run passed its bit tests: a
@@ -375,6 +377,7 @@ def qmatvec_experts_parts(x: jax.Array, w_stacks: tuple[QTensor, ...], expert_id
         _check_in(x, w_stack, "qmatvec_experts")
     if x.ndim == 2 and x.shape[0] != K:
         raise ValueError(f"qmatvec_experts: x has {x.shape[0]} rows for {K} experts")
+    x = _lazy_or_value(x, w_stacks[0])
     if _ROWS_AS_DOTS.get():
         spec = "ki,koi->ko" if x.ndim == 2 else "i,koi->ko"
         return tuple(jnp.einsum(spec, _act(x, w), _values(jnp.take(jnp.asarray(w.data), expert_idx_K, axis=0,
@@ -390,8 +393,8 @@ def qmatvec_experts_parts(x: jax.Array, w_stacks: tuple[QTensor, ...], expert_id
     tile = lambda: None if tile_k is None else triton_matvec.default_tile(  # noqa: E731
         w_stack.qtype, tile_k, w_stack.data.shape[-2], w_stack.n_cols)
     if _int8(w_stack):
-        return _as_tuple(_int8_rows_matvec(x.reshape(-1, x.shape[-1]), w_stack, raws, expert_idx_K, tile()))
-    x_XI = _act(x, w_stack).reshape(-1, x.shape[-1])  # [1 or K, in]
+        return _as_tuple(_int8_rows_matvec(as_rows(x), w_stack, raws, expert_idx_K, tile()))
+    x_XI = as_rows(x if isinstance(x, SwiGLU) else _act(x, w_stack))  # [1 or K, in]
     if not _kernel_applies(w_stack):
         return tuple(xla_rows_matvec(x_XI, jnp.asarray(w.data), expert_idx_K, w.qtype, layout) for w in w_stacks)
     return _as_tuple(rows_matvec(x_XI, raws, expert_idx_K, w_stack.qtype, layout, tile=tile()))
@@ -411,10 +414,14 @@ def rows_matvec(x_XI: jax.Array, raw_EOR: jax.Array, idx_K: jax.Array, qtype, la
     one traced function serves every platform). `default(x, raw, idx)` replaces the XLA spelling elsewhere; with
     JDS41_TRITON=interpret every platform runs the kernel, in Pallas' interpreter. `tile`: the kernel's, when not
     the one its shape gives. `raw_EOR` may be a tuple of stacks of one shape: one launch, a tuple of results."""
+    def kernel(x, raw, idx, interpret=False):
+        x = _f32_kernel_x(x, interpret)
+        return triton_matvec.rows_matvec(x, raw, idx, qtype, layout=layout, interpret=interpret, tile=tile)
+
     if triton_matvec.INTERPRET:
-        return triton_matvec.rows_matvec(x_XI, raw_EOR, idx_K, qtype, layout=layout, interpret=True, tile=tile)
-    kernel = lambda x, raw, idx: triton_matvec.rows_matvec(x, raw, idx, qtype, layout=layout, tile=tile)
-    xla = default or (lambda x, raw, idx: _each(raw, lambda r: xla_rows_matvec(x, r, idx, qtype, layout)))
+        return kernel(x_XI, raw_EOR, idx_K, interpret=True)
+    default = default or (lambda x, raw, idx: _each(raw, lambda r: xla_rows_matvec(x, r, idx, qtype, layout)))
+    xla = lambda x, raw, idx: default(_value(x), raw, idx)  # noqa: E731
     return lax.platform_dependent(x_XI, raw_EOR, idx_K, cuda=kernel, default=xla)
 
 
@@ -448,14 +455,14 @@ def _int8_rows_matvec(x_XI: jax.Array, w: QTensor, raw_EOR: jax.Array, idx_K: ja
     of quant/int8_act.py, by the dp4a kernel on CUDA (quant/triton_int8.py) where it takes the rows, else by XLA
     (`_int8_round` says how the kernel's x is rounded)."""
     def xla(x, raw, idx):
-        q, d = round_int8(x)
+        q, d = round_int8(_value(x))
         return _each(raw, lambda r: xla_int8_rows_matvec(q, d, r, idx, w.qtype, w.layout))
 
     if not triton_int8.supported(w.qtype, w.nbytes, w.layout):
         return xla(x_XI, raw_EOR, idx_K)
 
     def kernel(x, raw, idx, interpret=False):
-        q, d, crumbs = _int8_round(x, w, interpret)
+        (q, d, crumbs), = kernel_inputs((x,), (w,), interpret)
         return triton_int8.rows_matvec_int8(q, d, raw, idx, w.qtype, w.layout, interpret=interpret, tile=tile,
                                             q_crumb_major=crumbs)
 
@@ -487,14 +494,111 @@ def kernel_tile(w: QTensor, K: int) -> tuple[int, int, int, int]:
     return triton_matvec.default_tile(w.qtype, K, w.data.shape[-2], w.n_cols)
 
 
-def kernel_job(x_XI: jax.Array, ws: tuple[QTensor, ...], raws: tuple, idx_K: jax.Array, tile_k: int | None,
+def kernel_job(x_in, ws: tuple[QTensor, ...], raws: tuple, idx_K: jax.Array, tile_k: int | None,
                interpret: bool) -> triton_matvec.Job:
-    """The kernel `Job` of the products of `ws` (raw stacks `raws` [E, O, R], one x [1 or K, I], indices idx_K)
-    that `qmatvec_parts` / `qmatvec_experts_parts` launch where `kernel_job_applies`: the same x (rounded as they
-    round it), tile and step functions."""
+    """The kernel `Job` of the products of `ws` (raw stacks `raws` [E, O, R], indices idx_K) that `qmatvec_parts` /
+    `qmatvec_experts_parts` launch where `kernel_job_applies`, reading `x_in`, the x of [1 or K, I] rows as
+    `kernel_inputs` gives it (rounded as they round it): the same tile and step functions."""
     w, raws = ws[0], _one_or_tuple(raws)
     tile = None if tile_k is None else kernel_tile(w, tile_k)
     if _int8(w):
-        q, d, crumbs = _int8_round(x_XI, w, interpret)
+        q, d, crumbs = x_in
         return triton_int8.int8_job(q, d, raws, idx_K, w.qtype, w.layout, interpret, tile, q_crumb_major=crumbs)
-    return triton_matvec.matvec_job(_act(x_XI, w), raws, idx_K, w.qtype, w.layout, tile)
+    return triton_matvec.matvec_job(x_in, raws, idx_K, w.qtype, w.layout, tile)
+
+
+@dataclasses.dataclass(frozen=True)
+class PreRounded:
+    """x [..., I] with its int8 blocks (q, d) = int8_act.round_int8(x), computed where x was (a sublayer input's
+    launch, layers/mhc_input_kernel.py): a kernel product that reads int8 blocks in their plain order takes them
+    instead of rounding x in a launch of its own (the same rounding code, so the same bits); every other reads x."""
+    x: jax.Array
+    q: jax.Array
+    d: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.x.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.x.shape)
+
+    def rows(self) -> PreRounded:
+        n = self.x.shape[-1]
+        return PreRounded(self.x.reshape(-1, n), self.q.reshape(-1, n), self.d.reshape(-1, n // 32))
+
+
+jax.tree_util.register_dataclass(PreRounded, data_fields=["x", "q", "d"], meta_fields=[])
+
+
+def reads_plain_int8(w: QTensor) -> bool:
+    """Whether a product with `w` reads x as int8 blocks in their plain order, by a kernel where the kernels run
+    (so a PreRounded x saves it a rounding launch)."""
+    return _hidden_mode(w) == "int8" and triton_int8.supported(w.qtype, w.nbytes, w.layout)
+
+
+def _hidden_mode(w: QTensor) -> str:
+    """How a product with `w` reads its x (swiglu_kernel.MODES): int8 blocks as `_int8_round` gives them (Q2_K's
+    order where the round kernel writes it), else f32."""
+    if not _int8(w):
+        return "f32"
+    return "int8-crumbs" if w.qtype == GGMLQuantizationType.Q2_K and int8_round_kernel.ENABLED else "int8"
+
+
+def kernel_inputs(xs: tuple, ws: tuple[QTensor, ...], interpret: bool) -> tuple:
+    """What the kernel of the product of each x of `xs` ([X, I] rows, a SwiGLU or a PreRounded of them) with its
+    weight of `ws` reads: (q, d, crumbs) for the "int8" numerics' products (`_int8_round`, or a PreRounded's own
+    blocks where they are in the order read), else the f32 x (`_act`). The SwiGLU
+    activations among them are computed together, one launch (quant/swiglu_kernel.py): a co-launch's requests
+    prepared here get their hidden values from one launch, and the same bits as each prepared alone."""
+    if not swiglu_kernel.ENABLED:
+        xs = tuple(x.value() if isinstance(x, SwiGLU) else x for x in xs)
+    lazy = [i for i, x in enumerate(xs) if isinstance(x, SwiGLU)]
+    made = {}
+    if lazy:
+        modes = tuple(_hidden_mode(ws[i]) for i in lazy)
+        made = dict(zip(lazy, swiglu_kernel.hidden_rows(tuple(xs[i] for i in lazy), modes, interpret)))
+    prepared = []
+    for i, (x, w) in enumerate(zip(xs, ws)):
+        if i in made:
+            prepared.append((*made[i], _hidden_mode(w) == "int8-crumbs") if _int8(w) else made[i])
+        elif isinstance(x, PreRounded) and _hidden_mode(w) == "int8":
+            prepared.append((x.q, x.d, False))
+        else:
+            x = _value(x)
+            prepared.append(_int8_round(x, w, interpret) if _int8(w) else _act(x, w))
+    return tuple(prepared)
+
+
+def _value(x) -> jax.Array:
+    """An activation as XLA computes it: a SwiGLU evaluated (swiglu_kernel's reference spelling), a PreRounded's x,
+    an array as is."""
+    if isinstance(x, SwiGLU):
+        return x.value()
+    return x.x if isinstance(x, PreRounded) else x
+
+
+def as_rows(x):
+    """x [in] or [K, in] (an array, a SwiGLU or a PreRounded) as [1 or K, in] rows."""
+    return x.rows() if isinstance(x, (SwiGLU, PreRounded)) else x.reshape(-1, x.shape[-1])
+
+
+def _lazy_or_value(x, w: QTensor):
+    """x, a SwiGLU kept unevaluated only where the product with `w` is a kernel's on CUDA (its CUDA branch then
+    computes it: `kernel_inputs`); evaluated by XLA on every other path (the dot form, XLA's products, the CPU
+    oracle's roundings, JDS41_SWIGLU_KERNEL=0). A PreRounded stays where its blocks are what the product's kernel
+    reads, else it is its x."""
+    if isinstance(x, PreRounded):
+        return x if not _ROWS_AS_DOTS.get() and reads_plain_int8(w) else x.x
+    if not isinstance(x, SwiGLU):
+        return x
+    if not swiglu_kernel.ENABLED or _ROWS_AS_DOTS.get():
+        return x.value()
+    kernel = triton_int8.supported(w.qtype, w.nbytes, w.layout) if _int8(w) else _kernel_applies(w)
+    return x if kernel else x.value()
+
+
+def _f32_kernel_x(x, interpret: bool) -> jax.Array:
+    """The f32 x [X, I] an f32 kernel reads: a SwiGLU computed by swiglu_kernel's launch, an array as is."""
+    return swiglu_kernel.hidden_rows((x,), ("f32",), interpret)[0] if isinstance(x, SwiGLU) else x
