@@ -298,8 +298,9 @@ case "${1:-}" in
     # int8 blocks from the sublayer input's launch (JDS41_MHC_ROUND): their GPU tests, then V4-Flash 8 layers int8
     # and V4.1 4 layers int8 with both off against the defaults (pairs while SECONDS < FFN_UNTIL_S, 0: one each),
     # then a profile of each arm on V4 while SECONDS < 470
-    python3 -u -m pytest -q -m gpu tests/test_swiglu_kernel.py tests/test_mhc_input_kernel.py tests/test_co_launch.py \
-      -p no:cacheprovider -rf --tb=short -s > "$OUT/ffn_gpu_tests.txt" 2>&1 || true
+    read -r -a tests <<<"${FFN_TESTS:-tests/test_swiglu_kernel.py tests/test_mhc_input_kernel.py tests/test_co_launch.py}"
+    python3 -u -m pytest -q -m gpu "${tests[@]}" -p no:cacheprovider -rf --tb=short -s > "$OUT/ffn_gpu_tests.txt" 2>&1 \
+      || true
     tail -3 "$OUT/ffn_gpu_tests.txt"
     off=(JDS41_SWIGLU_KERNEL=0 JDS41_MHC_ROUND=0)
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
@@ -309,7 +310,7 @@ case "${1:-}" in
       python3 experiments/bench_decode.py "${v4[@]}"
       (( SECONDS < ${FFN_UNTIL_S:-0} )) || break
     done
-    for arm in on off; do
+    for arm in ${FFN_PROFILE_ARMS:-on off}; do
       (( SECONDS < 400 )) || break
       e=(); [ "$arm" = off ] && e=("${off[@]}")
       env "${e[@]}" python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 --prompt 64 \

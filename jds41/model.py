@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jds41.config import ModelConfig
 from jds41.layers import attention, compressor, indexer, mhc_input_kernel, side_stream
@@ -252,7 +253,9 @@ def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token, h_blocks=Non
     shared = (w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"]) if cfg.n_shared_experts else None
     if "routed" in w:  # vmapped (no IO inside a cond): the rows of all K experts gathered into [K, ...] stacks
         sel = select_experts(w["routed"], idx)
-        routed, at = (sel["gate"], sel["up"], sel["down"]), jnp.arange(idx.shape[0], dtype=jnp.int32)
+        # the selected stacks' own order, a constant: an iota here is a kernel of its own (a product's indices are
+        # an operand of its custom call, so XLA does not fold it)
+        routed, at = (sel["gate"], sel["up"], sel["down"]), jnp.asarray(np.arange(idx.shape[0], dtype=np.int32))
     else:
         routed, at = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), idx
     # the shared expert's products share the routed ones' launches where quant/co_launch.py is on (same bits)
@@ -292,17 +295,19 @@ def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H, rou
 def rounds_ffn_input(plan: ModelPlan, w: dict) -> bool:
     """Whether decode's FFN input comes with its int8 blocks (`sublayer_input`'s round_h): the sublayer input's
     kernels run and can round, and the routed gate/up products read int8 blocks in their plain order (the "int8"
-    numerics' two-bit and MXFP4 experts), computed from a resident stack (the tiers' pieces round their own x: the
-    same bits). The blocks then come from the launch that writes h, not a rounding launch of their own."""
+    numerics' two-bit and MXFP4 experts), computed by `routed_and_shared` (not the on-miss tiers' branches, whose
+    pieces round their own x: the same bits). The blocks then come from the launch that writes h, not a rounding
+    launch of their own."""
     cfg = plan.cfg
-    if "ffn_gate_exps" not in w or plan.ssd_call == "on-miss" or "routed" in w:
+    gate = w["routed"].hbm["gate"] if "routed" in w else w.get("ffn_gate_exps")
+    if gate is None or plan.ssd_call == "on-miss":
         return False
     if not (mhc_input_kernel.ROUND_FFN_INPUT and co_launch.ENABLED and cfg.n_shared_experts):
         return False  # (routed_and_shared's co-launch is what reads them)
     if not (mhc_input_kernel.applies(cfg.hc_mult, cfg.dim, cfg.hc_mix, lagged=cfg.hc_lag)
             and mhc_input_kernel.rounds(cfg.dim)):
         return False
-    return qtensor.reads_plain_int8(w["ffn_gate_exps"])
+    return qtensor.reads_plain_int8(gate)
 
 
 def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows: jax.Array | None,

@@ -51,7 +51,7 @@ def test_every_mode_gives_the_reference_bits_interpreted(X, F, limit):
     rng = np.random.default_rng(X * F)
     g, u = _pair(rng, X, F)
     lim = jnp.float32(7.0) if limit == "traced" else limit
-    act = SwiGLU(g, u, lim)
+    act = SwiGLU.of(g, u, lim)
     modes = ("f32", "int8") + (("int8-crumbs",) if F % 256 == 0 else ())
     outs = jax.jit(lambda a: hidden_rows((a,) * len(modes), modes, interpret=True))(act)
     want_h = swiglu(g, u, lim)
@@ -68,7 +68,7 @@ def test_every_mode_gives_the_reference_bits_interpreted(X, F, limit):
 
 def test_a_part_gives_the_same_bits_alone_and_beside_others():
     rng = np.random.default_rng(3)
-    routed, shared = SwiGLU(*_pair(rng, 6, 512), 10.0), SwiGLU(*_pair(rng, 1, 512), 0.0)
+    routed, shared = SwiGLU.of(*_pair(rng, 6, 512), 10.0), SwiGLU.of(*_pair(rng, 1, 512), 0.0)
     together = hidden_rows((routed, shared), ("int8-crumbs", "f32"), interpret=True)
     _equal(together[0], hidden_rows((routed,), ("int8-crumbs",), interpret=True)[0])
     _equal(together[1], hidden_rows((shared,), ("f32",), interpret=True)[0])
@@ -77,13 +77,15 @@ def test_a_part_gives_the_same_bits_alone_and_beside_others():
 def test_bad_parts_are_refused():
     g, u = _pair(np.random.default_rng(4), 2, 96)
     with pytest.raises(ValueError, match="mode"):
-        hidden_rows((SwiGLU(g, u, 0.0),), ("bf16",), interpret=True)
+        hidden_rows((SwiGLU.of(g, u, 0.0),), ("bf16",), interpret=True)
     with pytest.raises(ValueError, match="whole blocks"):
-        hidden_rows((SwiGLU(g, u, 0.0),), ("int8-crumbs",), interpret=True)  # 96 is not a multiple of 256
-    with pytest.raises(ValueError, match="one shape"):
-        hidden_rows((SwiGLU(g, u[:, :64], 0.0),), ("f32",), interpret=True)
+        hidden_rows((SwiGLU.of(g, u, 0.0),), ("int8-crumbs",), interpret=True)  # 96 is not a multiple of 256
+    with pytest.raises(ValueError, match="differ"):
+        SwiGLU.of(g, u[:, :64], 0.0)
+    with pytest.raises(ValueError, match="2F"):
+        hidden_rows((SwiGLU(g[:, :95], 0.0),), ("f32",), interpret=True)
     with pytest.raises(ValueError, match="activations for"):
-        hidden_rows((SwiGLU(g, u, 0.0),), ("f32", "int8"), interpret=True)
+        hidden_rows((SwiGLU.of(g, u, 0.0),), ("f32", "int8"), interpret=True)
 
 
 def _stack(rng, qtype, shape, act_round):
@@ -105,7 +107,7 @@ def test_the_int8_products_take_a_swiglu_and_give_the_evaluated_bits(interpreted
     w = _stack(rng, qtype, (5, 32, 512), "int8")
     g, u = _pair(rng, 3, 512)
     idx = jnp.asarray([4, 0, 2], jnp.int32)
-    got = jax.jit(lambda g, u: qmatvec_experts(SwiGLU(g, u, 7.0), w, idx))(g, u)
+    got = jax.jit(lambda g, u: qmatvec_experts(SwiGLU.of(g, u, 7.0), w, idx))(g, u)
     _equal(got, jax.jit(lambda g, u: qmatvec_experts(swiglu(g, u, 7.0), w, idx))(g, u))
 
 
@@ -113,7 +115,7 @@ def test_the_f32_product_takes_a_swiglu_and_gives_the_evaluated_bits(interpreted
     rng = np.random.default_rng(11)
     w = _stack(rng, T.Q8_0, (64, 512), None)
     g, u = _pair(rng, 1, 512)
-    got = jax.jit(lambda g, u: qmatvec(SwiGLU(g[0], u[0], 0.0), w))(g, u)
+    got = jax.jit(lambda g, u: qmatvec(SwiGLU.of(g[0], u[0], 0.0), w))(g, u)
     _equal(got, jax.jit(lambda g, u: qmatvec(swiglu(g[0], u[0], 0.0), w))(g, u))
 
 
@@ -174,7 +176,7 @@ def test_lowered_for_cuda_an_ffn_prepares_its_down_products_in_one_launch(monkey
 @pytest.mark.parametrize("F,routed_mode", [(2048, "int8"), (2304, "int8-crumbs")])
 def test_the_compiled_kernel_agrees_with_xla_on_the_gpu(F, routed_mode):
     rng = np.random.default_rng(F)
-    routed, shared = SwiGLU(*_pair(rng, 6, F, 3.0), 10.0), SwiGLU(*_pair(rng, 1, F, 3.0), 0.0)
+    routed, shared = SwiGLU.of(*_pair(rng, 6, F, 3.0), 10.0), SwiGLU.of(*_pair(rng, 1, F, 3.0), 0.0)
     (q, d), h = jax.jit(lambda r, s: hidden_rows((r, s), (routed_mode, "f32")))(routed, shared)
     want_h = jax.jit(lambda s: s.value())(shared)
     want_r = jax.jit(lambda r: r.value())(routed)

@@ -18,8 +18,9 @@ selection is one (layers/topk_kernel.py's `route`, JDS41_ROUTE_KERNEL=1): every 
 case opens every engine with the int8 numerics (quant/int8_act.py): the MXFP4 experts' products are then the dp4a
 kernel's (quant/triton_int8.py), co-launched beside the shared expert's f32 Q8_0 product, and the reference is the
 XLA engine with that numerics, and its sublayer inputs' kernels run too, so decode's FFN input comes with its
-int8 blocks from the launch that writes it (model.rounds_ffn_input). Every case computes its FFNs' hidden activations by quant/swiglu_kernel.py (the
-default on CUDA): with the int8 numerics rounded in the same launch, with the co-launch both experts' in one."""
+int8 blocks from the launch that writes it (model.rounds_ffn_input). Every case computes its FFNs' hidden
+activations by quant/swiglu_kernel.py (the default on CUDA): with the int8 numerics rounded in the same launch,
+with the co-launch both experts' in one."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def expert_outputs(x_D: jax.Array, gate_exps, up_exps, down_exps, idx_K: jax.Arr
     if not down_exps.rounds_activation:
         return qmatvec_experts(swiglu(g_KF, u_KF, limit) * weight_K[:, None], down_exps, idx_K, tile_k=tile_k)
     # the hidden values and their rounding are one launch on CUDA (quant/swiglu_kernel.py), as in every FFN path
-    y_KD = qmatvec_experts(SwiGLU(g_KF, u_KF, limit), down_exps, idx_K, tile_k=tile_k)
+    y_KD = qmatvec_experts(SwiGLU.of(g_KF, u_KF, limit), down_exps, idx_K, tile_k=tile_k)
     return y_KD * weight_K[:, None] if weigh_after_down else y_KD
 
 
@@ -69,7 +69,7 @@ def shared_expert(x_D: jax.Array, gate, up, down, limit) -> jax.Array:
     depend on the routed experts: with the side stream's site "shared" on (JDS41_SIDE_STREAM) its kernels run on a
     second CUDA stream beside theirs (layers/side_stream.py), the same values."""
     def body(x_D, gate, up, down):
-        h_F = SwiGLU(*qmatvec_parts(x_D, (gate, up)), limit)  # one launch where switched on, as above
+        h_F = SwiGLU.of(*qmatvec_parts(x_D, (gate, up)), limit)  # one launch where switched on, as above
         return qmatvec(h_F, down)  # h computed in its CUDA branch (quant/swiglu_kernel.py), as in routed_and_shared
 
     return island(on_side_stream("shared", body, island(jnp.asarray(x_D, jnp.float32)), gate, up, down))
@@ -98,7 +98,7 @@ def routed_and_shared(x_D: jax.Array, routed: tuple, idx_K: jax.Array, weight_K:
     (g_KF, u_KF), (g_F, u_F) = co_launch.products((co_launch.Experts(x_r, (gate_exps, up_exps), idx_K),
                                                     co_launch.Dense(x_s, (gate, up))))
     # both hidden activations, and the routed one's int8 rounding, in one launch on CUDA (quant/swiglu_kernel.py)
-    h_KF, h_F = SwiGLU(g_KF, u_KF, limit), SwiGLU(g_F, u_F, limit_shexp)
+    h_KF, h_F = SwiGLU.of(g_KF, u_KF, limit), SwiGLU.of(g_F, u_F, limit_shexp)
     if not down_exps.rounds_activation:  # the routing weight before or after W_down, as `expert_outputs`
         h_KF = h_KF.value() * weight_K[:, None]
     (y_KD,), (y_s,) = co_launch.products((co_launch.Experts(h_KF, (down_exps,), idx_K),

@@ -59,29 +59,48 @@ def swiglu(gate: jax.Array, up: jax.Array, limit) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class SwiGLU:
-    """`swiglu(gate, up, limit)` not yet evaluated: gate, up f32 [..., F], limit a number or a traced scalar."""
-    gate: jax.Array
-    up: jax.Array
+    """`swiglu(gate, up, limit)` not yet evaluated, held as `gate_up` f32 [..., 2F] (the gate's F values, then the
+    up's: what one launch of a gate and an up product writes, so the kernel reads it without a slice kernel of
+    XLA's before it) and limit, a number or a traced scalar. `SwiGLU.of(gate, up, limit)` joins two arrays (XLA
+    folds a join of the two halves of one array into that array)."""
+    gate_up: jax.Array
     limit: object
+
+    @classmethod
+    def of(cls, gate: jax.Array, up: jax.Array, limit) -> SwiGLU:
+        if gate.shape != up.shape:
+            raise ValueError(f"SwiGLU: gate {gate.shape} and up {up.shape} differ")
+        return cls(jnp.concatenate([jnp.asarray(gate, jnp.float32), jnp.asarray(up, jnp.float32)], axis=-1), limit)
+
+    @property
+    def width(self) -> int:
+        return self.gate_up.shape[-1] // 2
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.gate.shape
+        return (*self.gate_up.shape[:-1], self.width)
 
     @property
     def ndim(self) -> int:
-        return len(self.gate.shape)
+        return self.gate_up.ndim
+
+    @property
+    def gate(self) -> jax.Array:
+        return self.gate_up[..., :self.width]
+
+    @property
+    def up(self) -> jax.Array:
+        return self.gate_up[..., self.width:]
 
     def value(self) -> jax.Array:
         return swiglu(self.gate, self.up, self.limit)
 
     def rows(self) -> SwiGLU:
         """The same activation as [X, F] rows."""
-        F = self.gate.shape[-1]
-        return SwiGLU(self.gate.reshape(-1, F), self.up.reshape(-1, F), self.limit)
+        return SwiGLU(self.gate_up.reshape(-1, 2 * self.width), self.limit)
 
 
-jax.tree_util.register_dataclass(SwiGLU, data_fields=["gate", "up", "limit"], meta_fields=[])
+jax.tree_util.register_dataclass(SwiGLU, data_fields=["gate_up", "limit"], meta_fields=[])
 
 
 def _limit_array(limit) -> jax.Array:
@@ -125,18 +144,18 @@ def _kernel(*refs, parts: tuple[_Part, ...], div, rint, xla_silu: bool):
     """One program: the part holding this program id takes its row's chunk of nbk blocks of 32 and writes its
     hidden values, or their int8 blocks and scales (in Q2_K's order for "int8-crumbs")."""
     pid = pl.program_id(0)
-    ins, outs = refs[:3 * len(parts)], refs[3 * len(parts):]
+    ins, outs = refs[:2 * len(parts)], refs[2 * len(parts):]
     at_out = 0
     for i, part in enumerate(parts):
-        g_ref, u_ref, lim_ref = ins[3 * i:3 * i + 3]
+        gu_ref, lim_ref = ins[2 * i:2 * i + 2]
         n_out = 1 if part.mode == "f32" else 2
         out_refs, at_out = outs[at_out:at_out + n_out], at_out + n_out
 
-        def run(part=part, g_ref=g_ref, u_ref=u_ref, lim_ref=lim_ref, out_refs=out_refs):
+        def run(part=part, gu_ref=gu_ref, lim_ref=lim_ref, out_refs=out_refs):
             local = pid - part.start
             row, first = local // part.chunks, (local % part.chunks) * part.nbk
             at = rk.block_positions(first, part.nbk)
-            h = _hidden(g_ref[row, at], u_ref[row, at], lim_ref[0], div, xla_silu)
+            h = _hidden(gu_ref[row, at], gu_ref[row, part.width + at], lim_ref[0], div, xla_silu)
             if part.mode == "f32":
                 out_refs[0][row, at] = h
                 return
@@ -155,9 +174,8 @@ def hidden_rows(acts: tuple[SwiGLU, ...], modes: tuple[str, ...], interpret: boo
         raise ValueError(f"hidden_rows: {len(acts)} activations for {len(modes)} modes")
     parts, start, out_shape, inputs = [], 0, [], []
     for act, mode in zip(acts, modes):
-        if mode not in MODES or act.ndim != 2 or act.up.shape != act.shape:
-            raise ValueError(f"hidden_rows: mode {mode!r} of {MODES}, gate and up [X, F] of one shape; got "
-                             f"{act.shape} and {act.up.shape}")
+        if mode not in MODES or act.ndim != 2 or act.gate_up.shape[-1] % 2:
+            raise ValueError(f"hidden_rows: mode {mode!r} of {MODES}, gate and up [X, 2F]; got {act.gate_up.shape}")
         X, F = act.shape
         if F % (256 if mode == "int8-crumbs" else BLOCK):
             raise ValueError(f"hidden_rows: {F} values a row are not whole blocks for mode {mode!r}")
@@ -167,7 +185,7 @@ def hidden_rows(acts: tuple[SwiGLU, ...], modes: tuple[str, ...], interpret: boo
         out_shape.append(jax.ShapeDtypeStruct((X, F), jnp.float32 if mode == "f32" else jnp.int8))
         if mode != "f32":
             out_shape.append(jax.ShapeDtypeStruct((X, F // BLOCK), jnp.float32))
-        inputs += [jnp.asarray(act.gate, jnp.float32), jnp.asarray(act.up, jnp.float32), _limit_array(act.limit)]
+        inputs += [jnp.asarray(act.gate_up, jnp.float32), _limit_array(act.limit)]
     params = None
     if interpret:  # interpreted, the body is XLA:CPU code inlined into its caller: keep its rounding its own
         inputs = list(lax.optimization_barrier(tuple(inputs)))
