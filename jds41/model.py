@@ -299,8 +299,10 @@ def rounds_ffn_input(plan: ModelPlan, w: dict) -> bool:
     pieces round their own x: the same bits). The blocks then come from the launch that writes h, not a rounding
     launch of their own."""
     cfg = plan.cfg
+    if "routed" in w and plan.ssd_call == "on-miss":  # _ffn_block's tiered branches
+        return False
     gate = w["routed"].hbm["gate"] if "routed" in w else w.get("ffn_gate_exps")
-    if gate is None or plan.ssd_call == "on-miss":
+    if gate is None:
         return False
     if not (mhc_input_kernel.ROUND_FFN_INPUT and co_launch.ENABLED and cfg.n_shared_experts):
         return False  # (routed_and_shared's co-launch is what reads them)
