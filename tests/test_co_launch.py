@@ -135,6 +135,19 @@ def test_products_give_the_separate_calls_bits(interpreted):
     _equal(co_launch.products(requests), (qmatvec_experts_parts(x, (gate, up), idx), qmatvec_parts(x, (gs, us))))
 
 
+def test_joint_products_are_each_requests_products_side_by_side(interpreted, monkeypatch):
+    rng = np.random.default_rng(16)
+    (gate, up, _), (gs, us, _) = _layer(rng, F=256)
+    x = jnp.asarray(rng.standard_normal(512), jnp.float32)
+    idx = jnp.asarray([4, 0, 2], jnp.int32)
+    requests = (co_launch.Experts(x, (gate, up), idx), co_launch.Dense(x, (gs, us)))
+    want = tuple(jnp.concatenate(y, axis=-1) for y in co_launch.products(requests))
+    assert [w.shape for w in want] == [(3, 512), (512,)]
+    _equal(co_launch.products(requests, joint=True), want)
+    monkeypatch.setattr(co_launch, "ENABLED", False)  # the separate calls' fallback joins them too
+    _equal(co_launch.products(requests, joint=True), want)
+
+
 def test_products_fall_back_to_separate_calls_where_one_launch_cannot_hold_them(interpreted, monkeypatch):
     rng = np.random.default_rng(6)
     (gate, up, _), (gs, us, _) = _layer(rng, F=256)

@@ -164,6 +164,7 @@ def test_lowered_for_cuda_an_ffn_prepares_its_down_products_in_one_launch(monkey
     # one hidden launch for both down products; the one rounding launch left is the gate/up product's x
     assert on.count('name = "swiglu_hidden"') == 1 and on.count('name = "round_int8"') == 1
     assert "stablehlo.exponential" not in on  # no XLA SwiGLU left (jax spells the sigmoid 1 / (1 + exp(-x)))
+    assert "stablehlo.concatenate" not in on  # the gate/up launch's output read as written (co_launch's joint)
     monkeypatch.setattr(swiglu_kernel, "ENABLED", False)
     off = _lowered_for_cuda(monkeypatch, fn, x, idx, weight)
     assert "swiglu_hidden" not in off and off.count('name = "round_int8"') == 2

@@ -95,10 +95,11 @@ def routed_and_shared(x_D: jax.Array, routed: tuple, idx_K: jax.Array, weight_K:
     x_s = island(jnp.asarray(x_D, jnp.float32))
     if x_blocks is not None:
         x_r = PreRounded(x_r, *island(tuple(x_blocks)))
-    (g_KF, u_KF), (g_F, u_F) = co_launch.products((co_launch.Experts(x_r, (gate_exps, up_exps), idx_K),
-                                                    co_launch.Dense(x_s, (gate, up))))
+    # each gate/up pair's values side by side ([.., 2F], `joint`), as SwiGLU holds them
+    gu_K2F, gu_2F = co_launch.products((co_launch.Experts(x_r, (gate_exps, up_exps), idx_K),
+                                        co_launch.Dense(x_s, (gate, up))), joint=True)
     # both hidden activations, and the routed one's int8 rounding, in one launch on CUDA (quant/swiglu_kernel.py)
-    h_KF, h_F = SwiGLU.of(g_KF, u_KF, limit), SwiGLU.of(g_F, u_F, limit_shexp)
+    h_KF, h_F = SwiGLU(gu_K2F, limit), SwiGLU(gu_2F, limit_shexp)
     if not down_exps.rounds_activation:  # the routing weight before or after W_down, as `expert_outputs`
         h_KF = h_KF.value() * weight_K[:, None]
     (y_KD,), (y_s,) = co_launch.products((co_launch.Experts(h_KF, (down_exps,), idx_K),

@@ -88,8 +88,9 @@ def _co_kernel(*refs, specs, n_inputs):
         pl.when(job_id == i)(run)
 
 
-def co_launch(jobs: tuple[tm.Job, ...], interpret: bool) -> tuple:
-    """`jobs` (one warp count) as one launch -> each job's result, as its own `triton_matvec.launch` returns it."""
+def co_launch(jobs: tuple[tm.Job, ...], interpret: bool, joint: bool = False) -> tuple:
+    """`jobs` (one warp count) as one launch -> each job's result, as its own `triton_matvec.launch` returns it
+    (`joint`: a job of several stacks as one array of their results side by side, `Job.finish`)."""
     warps = {job.tile[2] for job in jobs}
     if len(warps) != 1:
         raise ValueError(f"co_launch: the jobs' tiles ask for different warp counts {sorted(warps)}")
@@ -105,7 +106,7 @@ def co_launch(jobs: tuple[tm.Job, ...], interpret: bool) -> tuple:
         compiler_params=None if interpret else tm.compiler_params(warps.pop()), interpret=interpret,
         name="co_" + "_".join(job.name.removeprefix("rows_matvec_") for job in jobs),
     )(jnp.asarray(job_of), jnp.asarray(local_of), *(a for i in inputs for a in i))
-    return tuple(job.finish(out) for job, out in zip(jobs, outs))
+    return tuple(job.finish(out, joint) for job, out in zip(jobs, outs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,25 +154,33 @@ def _one_launch(requests) -> bool:
     return len(warps) == 1
 
 
-def products(requests: tuple) -> tuple[tuple[jax.Array, ...], ...]:
+def products(requests: tuple, joint: bool = False) -> tuple:
     """Each request's products (a tuple a request, as `qmatvec_parts` / `qmatvec_experts_parts` give them): one
     kernel launch on CUDA where `_one_launch`, the same bits as the requests computed one by one; otherwise, and on
-    every other platform, one by one."""
+    every other platform, one by one. `joint`: a request's products as one array, side by side on the last axis
+    (a gate/up pair's [..., 2F], as the launch writes it: swiglu_kernel.SwiGLU reads it so, with no slice or join
+    kernel of XLA's between the launches; XLA:GPU did not fold the join of the two slices)."""
     requests = tuple(requests)
+
+    def separately():
+        outs = tuple(_separately(r) for r in requests)
+        return tuple(jnp.concatenate(y, axis=-1) for y in outs) if joint else outs
+
     if not _one_launch(requests):
-        return tuple(_separately(r) for r in requests)
+        return separately()
 
     def kernel(*_, interpret=False):
         # every request's x prepared together: the SwiGLU ones (a layer's down products) in one launch
         xs = qtensor.kernel_inputs(tuple(qtensor.as_rows(r.x) for r in requests), tuple(r.ws[0] for r in requests),
                                    interpret)
-        results = co_launch(tuple(_job(r, x, interpret) for r, x in zip(requests, xs)), interpret)
+        results = co_launch(tuple(_job(r, x, interpret) for r, x in zip(requests, xs)), interpret, joint)
         outs = []
         for r, y in zip(requests, results):
             y = y if isinstance(y, tuple) else (y,)
-            outs.append(tuple(v[0] for v in y) if isinstance(r, Dense) else y)
+            y = tuple(v[0] for v in y) if isinstance(r, Dense) else y
+            outs.append(y[0] if joint else y)
         return tuple(outs)
 
     if tm.INTERPRET:
         return kernel(interpret=True)
-    return lax.platform_dependent(cuda=kernel, default=lambda: tuple(_separately(r) for r in requests))
+    return lax.platform_dependent(cuda=kernel, default=separately)

@@ -5,7 +5,10 @@ product reads them so (quant/int8_act.py) and f32 where a product reads f32.
 
 Why (results/profile_decode_v4_state44_8L_h100.jsonl, V4-Flash 8 layers int8 on an H100): between a routed FFN's
 gate/up launch and its down launch XLA ran three kernels, the routed experts' SwiGLU, the rounding kernel
-(quant/int8_round_kernel.py) and the shared expert's SwiGLU, ~1.4 us each; here they are one. The products'
+(quant/int8_round_kernel.py) and the shared expert's SwiGLU, ~1.4 us each (4.4 us); here they are one (2.4 us) and
+XLA's join of the gate/up halves (1.4 us; it does not fold the join on the GPU). Forty-fifth session, an H100
+(experiments/README.md): a routed FFN 12 launches with this and the FFN input's blocks (model.rounds_ffn_input)
+where it took 15; decode speed unresolved by two single pairs (+0.9% and -1.2%). The products'
 entry points (quant/qtensor.py) and the co-launch (quant/co_launch.py) accept a `SwiGLU` where they take x: a path
 whose product is a kernel's hands it to `hidden_rows` inside its CUDA branch (for a co-launch, every request's in
 one launch), any other evaluates `SwiGLU.value()`, XLA's spelling (moe's reference, every platform but CUDA).
@@ -14,7 +17,8 @@ Bits. A program computes its values with the same code whichever launch and whic
 so every path on CUDA (decode's co-launch, the tiers' pieces, prompt rows, verification) gets the same hidden
 values. The sigmoid is 1 / (1 + exp(-gate)) with libdevice's expf (what Pallas lowers exp to) and PTX's IEEE
 division (Triton's own f32 division is the approximate div.full), the rounding is int8_round_kernel's; against
-XLA's spelling they agree to f32 rounding (tests/test_swiglu_kernel.py; its GPU case says whether they are equal).
+XLA's spelling they agree to f32 rounding, not bit for bit (tests/test_swiglu_kernel.py on an H100: h not equal
+to XLA's, every int8 block's q equal at V4-Flash's and V4.1's widths, d within 2.2e-7).
 Interpreted (the CPU tests, JDS41_TRITON=interpret) the body is XLA:CPU's own jax.nn.silu, so there the kernel and
 the reference agree bit for bit and the tests check the plumbing (parts, rows, layouts) exactly.
 

@@ -513,12 +513,13 @@ class Job:
         return dataclasses.replace(self, x=shape(self.x), stacks=tuple(map(shape, self.stacks)), idx=shape(self.idx),
                                    extra=tuple(map(shape, self.extra)))
 
-    def finish(self, out):
-        """The kernel's [splits, K, P * O] partial sums -> f32 [K, O] (a tuple of them for several stacks), the
-        splits added in split order, one add at a time: XLA keeps the order of explicit float adds wherever it
-        fuses them, as it need not for a reduction over the split axis."""
+    def finish(self, out, joint: bool = False):
+        """The kernel's [splits, K, P * O] partial sums -> f32 [K, O] (a tuple of them for several stacks; `joint`:
+        the stacks' results side by side, [K, P * O], with no slice), the splits added in split order, one add at a
+        time: XLA keeps the order of explicit float adds wherever it fuses them, as it need not for a reduction over
+        the split axis."""
         summed = functools.reduce(operator.add, (out[s] for s in range(1, self.tile[3])), out[0])
-        if self.one_stack:
+        if self.one_stack or joint:
             return summed
         n_out = self.shape[1]
         return tuple(summed[:, p * n_out:(p + 1) * n_out] for p in range(len(self.stacks)))
