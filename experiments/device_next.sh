@@ -85,7 +85,10 @@
 #                                             # in one launch (quant/swiglu_kernel.py, the default; JDS41_SWIGLU_KERNEL=0)
 #                                             # and its input's int8 blocks written by the sublayer input's launch
 #                                             # (JDS41_MHC_ROUND=0 turns it off): GPU tests, V4 8 layers and V4.1 4
-#                                             # layers int8 with both off against the defaults, a V4 profile an arm
+#                                             # layers int8 with both off against the defaults, a V4 profile an arm.
+#                                             # At 7953c48 on an H100: 338.5 launches a V4 token (361.5 off), decode
+#                                             # 567.9 against 574.9 in one pair (8fbb14c: 567.8 against 562.6):
+#                                             # repeat with FFN_UNTIL_S=300 (FFN_TESTS, FFN_PROFILE_ARMS trim it)
 #     mhc-v4, attn-together, compressor and softmax run through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB
 #     pairs while SECONDS < V4_AB_UNTIL_S (0: one pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400);
 #     the forty-third session ran the first two as separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_*
