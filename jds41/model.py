@@ -253,8 +253,8 @@ def _ffn_block(plan: ModelPlan, lp: LayerPlan, w: dict, h_D, token, h_blocks=Non
     shared = (w["ffn_gate_shexp"], w["ffn_up_shexp"], w["ffn_down_shexp"]) if cfg.n_shared_experts else None
     if "routed" in w:  # vmapped (no IO inside a cond): the rows of all K experts gathered into [K, ...] stacks
         sel = select_experts(w["routed"], idx)
-        # the selected stacks' own order, a constant: an iota here is a kernel of its own (a product's indices are
-        # an operand of its custom call, so XLA does not fold it)
+        # the selected stacks' own order, a constant: the products clamp their indices (quant/triton_matvec.Job),
+        # which XLA folds for a constant; for an iota it was a launch of its own a routed FFN
         routed, at = (sel["gate"], sel["up"], sel["down"]), jnp.asarray(np.arange(idx.shape[0], dtype=np.int32))
     else:
         routed, at = (w["ffn_gate_exps"], w["ffn_up_exps"], w["ffn_down_exps"]), idx

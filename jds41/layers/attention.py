@@ -122,5 +122,5 @@ def output(cfg: ModelConfig, w: dict, o_HK: jax.Array) -> jax.Array:
     # W_oa rows g*L .. (g+1)*L - 1 belong to group g: viewed as a [G, L, X] stack, each group is one "expert".
     wo_a = w["attn_output_a"]
     stack = wo_a.with_rows(jnp.asarray(wo_a.data).reshape(G, L, -1), (G, L, wo_a.shape[-1]))
-    o_GL = qmatvec_experts(o_GX, stack, jnp.asarray(np.arange(G, dtype=np.int32)))  # a constant, not an iota kernel
+    o_GL = qmatvec_experts(o_GX, stack, jnp.asarray(np.arange(G, dtype=np.int32)))  # a constant: its clamp folds
     return qmatvec(o_GL.reshape(-1), w["attn_output_b"])

@@ -496,10 +496,11 @@ class Job:
         return K, len(self.stacks) * n_out // bo, splits
 
     def inputs(self) -> tuple:
-        """The kernel's inputs in the order `program` reads them: idx, x, the flat stacks, extra. (`program` clamps
-        each index as it reads it: a clamp here was a launch of its own a routed FFN, ~1 us.)"""
+        """The kernel's inputs in the order `program` reads them: idx (clamped), x, the flat stacks, extra. (A clamp
+        of indices that are not constants is a ~1 us launch of XLA's: decode's are constants, model._ffn_block. A
+        clamp inside the program kept the compiled bits but moved XLA:CPU's interpreted ones, forty-fifth session.)"""
         E, n_out, R = self.shape
-        return (self.idx.astype(jnp.int32), self.x,
+        return (jnp.clip(self.idx.astype(jnp.int32), 0, E - 1), self.x,
                 *(s.reshape(E * n_out, R) for s in self.stacks), *self.extra)
 
     def out_shape(self) -> jax.ShapeDtypeStruct:
@@ -539,8 +540,7 @@ def program(job: Job, refs, store, k, j, split):
     n_out, (bo, nb, _, _) = job.shape[1], job.tile
     kx = k if job.x.shape[0] > 1 else jnp.int32(0)
     per_part = n_out // bo
-    expert = jnp.clip(idx_ref[k], 0, job.shape[0] - 1)  # as jnp.take(mode="clip")
-    rows = expert * n_out + (j % per_part) * bo + jnp.arange(bo, dtype=jnp.int32)  # of the flat [E * O, R] stack
+    rows = idx_ref[k] * n_out + (j % per_part) * bo + jnp.arange(bo, dtype=jnp.int32)  # of the flat [E * O, R] stack
     blocks = lambda t: (split * steps + t) * nb + jnp.arange(nb, dtype=jnp.int32)  # noqa: E731
 
     def rows_of(w_ref):
