@@ -89,7 +89,10 @@
 #                                             # At 7953c48 on an H100: 338.5 launches a V4 token (361.5 off), decode
 #                                             # 567.9 against 574.9 in one pair (8fbb14c: 567.8 against 562.6):
 #                                             # repeat with FFN_UNTIL_S=300 (FFN_TESTS, FFN_PROFILE_ARMS trim it)
-#     mhc-v4, attn-together, compressor and softmax run through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB
+#   bash experiments/device_next.sh int8-q8   # the Q8_0 products under int8 too (JDS41_INT8_Q8_0=1, opt-in since the
+#                                             # thirty-first session's H100 run: its rounding launches cost what
+#                                             # the products saved) against the defaults, through v4_ab, ~8 min
+#     mhc-v4, int8-q8, attn-together, compressor and softmax run through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB
 #     pairs while SECONDS < V4_AB_UNTIL_S (0: one pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400);
 #     the forty-third session ran the first two as separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_*
 #     (experiments/README.md)
@@ -265,6 +268,10 @@ case "${1:-}" in
         --out "$OUT/bench_kernels_q2k_packs.jsonl" || true
     done
     AB_ON="JDS41_INT8_Q2_K_FORM=packs" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-300} bash "$0" decode-ab ;;
+  int8-q8)  # the Q8_0 products (attention, the shared expert, the head) rounding x too under the int8 numerics
+    # (JDS41_INT8_Q8_0=1, quant/int8_act.py) against the defaults, now that the FFN's input comes rounded from its
+    # sublayer input's launch and the rounding is one launch elsewhere
+    v4_ab JDS41_INT8_Q8_0 tests/test_int8_numerics.py int8_q8 ;;
   mhc-v4)  # V4's unlagged sublayer inputs: three launches (the default) against XLA's ~9 kernels a sublayer
     v4_ab JDS41_MHC_KERNEL_V4 tests/test_mhc_input_kernel.py mhc_v4 ;;
   attn-together)  # model.attention_products (one launch for W_qa, W_kv, the compressors', W_proj) against one each
