@@ -1,13 +1,13 @@
-"""One token's attention alone on the GPU: XLA's spelling (`attention.attend_xla`, the reference) against the two
-Triton kernels (`layers/attention_kernel.attend_kernels`, q turned and the output turned back inside) over a sweep
-of their tiles, at V4.1's shape (64 heads, 512-wide latents) and key counts of a short and a long window.
+"""One token's attention alone on the GPU: XLA's spelling (`attention.attend_xla`, the reference) against the
+Triton kernel (`layers/attention_kernel.attend_kernels`, q turned and the output turned back inside) over a sweep
+of its tiles, at V4's and V4.1's shape (64 heads, 512-wide latents) and key counts of a short and a long window.
 
-    python experiments/bench_attention.py [--reps 50] [--keys 136,640,1152] [--tiles BH:BN:BK:CH:W,...]
+    python experiments/bench_attention.py [--reps 50] [--keys 136,640,1152] [--tiles BH:BN:BK:BV:W,...]
         [--dots ieee,tf32x3] [--out FILE]
 
-Why: in the decode profile of 2026-12-05 (results/profile_decode_round30_v41_4L_h200.jsonl) the kernels' partials
-took ~120 us a call where XLA's seven kernels take ~18 us a layer; this isolates the kernels so their tile, warps
-and products can be varied without a decode run. Each timed call runs `--reps` attentions in one jitted
+Why: this isolates the kernel so its tile, warps and products can be varied without a decode run (in the decode
+profile of 2026-12-05, results/profile_decode_round30_v41_4L_h200.jsonl, the first, two-launch form took ~120 us a
+call where XLA's seven kernels take ~18 us a layer). Each timed call runs `--reps` attentions in one jitted
 `fori_loop`, q moving with the iteration (nothing is hoisted); "loop_us" is the loop's own cost a call. One JSON
 line per (keys, path, tile, dot: the products' form, attention_kernel.DOTS), with the largest difference from
 XLA's output. CPU runs check the code path only (the kernels then run in Pallas' interpreter on a shrunk shape,
@@ -32,7 +32,8 @@ from bench_kernels import _seconds  # noqa: E402
 from jds41.layers import attention, attention_kernel  # noqa: E402
 from jds41.layers.rope import rope_freqs  # noqa: E402
 
-DEFAULT_TILES = "16:32:128:4:4,16:32:64:4:4,16:64:64:4:4,16:16:128:4:2,32:32:64:4:8,16:32:128:8:8"
+DEFAULT_TILES = ("16:32:128:128:4,16:32:128:64:4,16:32:128:256:8,16:32:128:512:8,16:64:128:128:4,16:16:128:128:4,"
+                 "16:32:64:128:4")
 
 
 def _loop(attend, reps: int):
@@ -47,8 +48,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--keys", default="136,640,1152", help="comma-separated key counts (window plus selected rows)")
-    ap.add_argument("--tiles", default=DEFAULT_TILES, help="comma-separated BH:BN:BK:CH:warps tiles of the kernels")
-    ap.add_argument("--dots", default="ieee", help="comma-separated forms of the kernels' products "
+    ap.add_argument("--tiles", default=DEFAULT_TILES, help="comma-separated BH:BN:BK:BV:warps tiles of the kernel")
+    ap.add_argument("--dots", default="tf32x3", help="comma-separated forms of the kernel's products "
                     "(attention_kernel.DOTS); every tile runs in each")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
         xla = lambda q, k, v, p: attention.attend_xla(cfg, sink, q, k, v, p, freqs)  # noqa: E731
         want = np.asarray(jax.jit(xla)(q, keys, valid, pos))
         loop_s = _seconds(_loop(lambda q, k, v, p: q[:1, :1], a.reps), q, keys, valid, pos) / a.reps
-        for path, tile, dot in [("xla", None, None)] + [("kernels", t, d) for t in tiles for d in dots]:
+        for path, tile, dot in [("xla", None, None)] + [("kernel", t, d) for t in tiles for d in dots]:
             fn = xla if tile is None else (lambda q, k, v, p, t=tile, d=dot: (  # noqa: E731
                 attention_kernel.attend_kernels(q, k, v, sink, p, freqs, kdim ** -0.5, None, interpret=not gpu,
                                                 turn_inside=True, tile=t, dot=d)))

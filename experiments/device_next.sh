@@ -89,6 +89,9 @@
 #                                             # At 7953c48 on an H100: 338.5 launches a V4 token (361.5 off), decode
 #                                             # 567.9 against 574.9 in one pair (8fbb14c: 567.8 against 562.6):
 #                                             # repeat with FFN_UNTIL_S=300 (FFN_TESTS, FFN_PROFILE_ARMS trim it)
+#   bash experiments/device_next.sh attn-one  # the attention kernel as one launch (JDS41_ATTN_KERNEL=1; the two-launch
+#                                             # form it replaced gave no gain): alone over tiles against XLA, then
+#                                             # GPU tests and V4 8 layers off against on (v4_ab), ~9 min
 #   bash experiments/device_next.sh int8-q8   # the Q8_0 products under int8 too (JDS41_INT8_Q8_0=1, opt-in since the
 #                                             # thirty-first session's H100 run: its rounding launches cost what
 #                                             # the products saved) against the defaults, through v4_ab, ~8 min
@@ -268,6 +271,11 @@ case "${1:-}" in
         --out "$OUT/bench_kernels_q2k_packs.jsonl" || true
     done
     AB_ON="JDS41_INT8_Q2_K_FORM=packs" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-300} bash "$0" decode-ab ;;
+  attn-one)  # the attention kernel in one launch (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1, its products
+    # tf32x3): alone against XLA over tiles at 136 and 640 keys, then its GPU tests and V4-Flash 8 layers int8 off
+    # against on through v4_ab (pairs while SECONDS < V4_AB_UNTIL_S, a profile an arm)
+    python3 experiments/bench_attention.py --keys 136,640 --out "$OUT/bench_attention_one.jsonl" > /dev/null || true
+    v4_ab JDS41_ATTN_KERNEL tests/test_attention_kernel.py attn_one ;;
   int8-q8)  # the Q8_0 products (attention, the shared expert, the head) rounding x too under the int8 numerics
     # (JDS41_INT8_Q8_0=1, quant/int8_act.py) against the defaults, now that the FFN's input comes rounded from its
     # sublayer input's launch and the rounding is one launch elsewhere

@@ -196,7 +196,7 @@ def hlo_sources(dump_dir: str) -> dict[str, tuple[str, str, str]]:
 
 # Pallas kernels by the name their pallas_call gives them -> the module that owns them
 NAMED_KERNELS = {"router_top_k": "layers/topk_kernel.py", "mhc_sinkhorn": "layers/sinkhorn_kernel.py",
-                 "attend_partials": "layers/attention_kernel.py", "attend_combine": "layers/attention_kernel.py",
+                 "attend_one_pass": "layers/attention_kernel.py",
                  "round_int8": "quant/int8_round_kernel.py"}
 
 
