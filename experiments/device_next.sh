@@ -276,10 +276,25 @@ case "${1:-}" in
     # against on through v4_ab (pairs while SECONDS < V4_AB_UNTIL_S, a profile an arm)
     python3 experiments/bench_attention.py --keys 136,640 --out "$OUT/bench_attention_one.jsonl" > /dev/null || true
     v4_ab JDS41_ATTN_KERNEL tests/test_attention_kernel.py attn_one ;;
-  int8-q8)  # the Q8_0 products (attention, the shared expert, the head) rounding x too under the int8 numerics
-    # (JDS41_INT8_Q8_0=1, quant/int8_act.py) against the defaults, now that the FFN's input comes rounded from its
-    # sublayer input's launch and the rounding is one launch elsewhere
-    v4_ab JDS41_INT8_Q8_0 tests/test_int8_numerics.py int8_q8 ;;
+  int8-q8)  # the forty-sixth session's two opt-ins against the defaults on V4-Flash 8 layers int8: the Q8_0
+    # products rounding x too (JDS41_INT8_Q8_0=1, quant/int8_act.py; its rounding launches cost what the products
+    # saved on an H100 in the thirty-first session, before the FFN's input came rounded from its sublayer input's
+    # launch) and the attention kernel in one launch (JDS41_ATTN_KERNEL=1). First the kernel alone against XLA
+    # (four tiles, 136 and 640 keys) and its GPU tests, then one run an arm, then a profile of the attention arm
+    python3 experiments/bench_attention.py --keys 136,640 --out "$OUT/bench_attention_one.jsonl" \
+      --tiles 16:32:128:128:4,16:32:128:512:8,16:16:128:128:4,16:32:128:64:4 > /dev/null || true
+    python3 -m pytest -q -m gpu tests/test_attention_kernel.py -p no:cacheprovider -rf --tb=short \
+      > "$OUT/attn_one_gpu_tests.txt" 2>&1 || true
+    tail -3 "$OUT/attn_one_gpu_tests.txt"
+    v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
+        --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_s46_8L.jsonl")
+    python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the 28 GB file
+    JDS41_ATTN_KERNEL=1 python3 experiments/bench_decode.py "${v4[@]}" || true
+    JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${v4[@]}" || true
+    if (( SECONDS < 470 )); then
+      JDS41_ATTN_KERNEL=1 python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 \
+        --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_s46_8L.jsonl" || true
+    fi ;;
   mhc-v4)  # V4's unlagged sublayer inputs: three launches (the default) against XLA's ~9 kernels a sublayer
     v4_ab JDS41_MHC_KERNEL_V4 tests/test_mhc_input_kernel.py mhc_v4 ;;
   attn-together)  # model.attention_products (one launch for W_qa, W_kv, the compressors', W_proj) against one each
