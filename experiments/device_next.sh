@@ -90,12 +90,13 @@
 #                                             # 567.9 against 574.9 in one pair (8fbb14c: 567.8 against 562.6):
 #                                             # repeat with FFN_UNTIL_S=300 (FFN_TESTS, FFN_PROFILE_ARMS trim it)
 #   bash experiments/device_next.sh attn-one  # the attention kernel as one launch (JDS41_ATTN_KERNEL=1; the two-launch
-#                                             # form it replaced gave no gain): alone over tiles against XLA, then
-#                                             # GPU tests and V4 8 layers off against on (v4_ab), ~9 min
-#   bash experiments/device_next.sh int8-q8   # the Q8_0 products under int8 too (JDS41_INT8_Q8_0=1, opt-in since the
-#                                             # thirty-first session's H100 run: its rounding launches cost what
-#                                             # the products saved) against the defaults, through v4_ab, ~8 min
-#     mhc-v4, int8-q8, attn-together, compressor and softmax run through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB
+#                                             # form it replaced gave no gain): alone over four tiles against XLA,
+#                                             # its GPU tests, V4 8 layers int8 with the defaults, the kernel, and
+#                                             # the Q8_0 products rounded too (JDS41_INT8_Q8_0=1, opt-in since the
+#                                             # thirty-first session's H100 run), a profile of the kernel's arm,
+#                                             # ~9 min. Tried in the forty-sixth session (as "int8-q8"): no machine
+#                                             # started, and one taken back mid-call returned nothing
+#     mhc-v4, attn-together, compressor and softmax run through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB
 #     pairs while SECONDS < V4_AB_UNTIL_S (0: one pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400);
 #     the forty-third session ran the first two as separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_*
 #     (experiments/README.md)
@@ -271,16 +272,11 @@ case "${1:-}" in
         --out "$OUT/bench_kernels_q2k_packs.jsonl" || true
     done
     AB_ON="JDS41_INT8_Q2_K_FORM=packs" AB_DECODE_UNTIL_S=${AB_DECODE_UNTIL_S:-300} bash "$0" decode-ab ;;
-  attn-one)  # the attention kernel in one launch (layers/attention_kernel.py, JDS41_ATTN_KERNEL=1, its products
-    # tf32x3): alone against XLA over tiles at 136 and 640 keys, then its GPU tests and V4-Flash 8 layers int8 off
-    # against on through v4_ab (pairs while SECONDS < V4_AB_UNTIL_S, a profile an arm)
-    python3 experiments/bench_attention.py --keys 136,640 --out "$OUT/bench_attention_one.jsonl" > /dev/null || true
-    v4_ab JDS41_ATTN_KERNEL tests/test_attention_kernel.py attn_one ;;
-  int8-q8)  # the forty-sixth session's two opt-ins against the defaults on V4-Flash 8 layers int8: the Q8_0
-    # products rounding x too (JDS41_INT8_Q8_0=1, quant/int8_act.py; its rounding launches cost what the products
-    # saved on an H100 in the thirty-first session, before the FFN's input came rounded from its sublayer input's
-    # launch) and the attention kernel in one launch (JDS41_ATTN_KERNEL=1). First the kernel alone against XLA
-    # (four tiles, 136 and 640 keys) and its GPU tests, then one run an arm, then a profile of the attention arm
+  attn-one)  # the attention kernel in one launch (JDS41_ATTN_KERNEL=1) and the Q8_0 products rounding x too
+    # (JDS41_INT8_Q8_0=1, quant/int8_act.py; its rounding launches cost what the products saved on an H100 in the
+    # thirty-first session, before the FFN's input came rounded from its sublayer input's launch) against the
+    # defaults on V4-Flash 8 layers int8. First the kernel alone against XLA (four tiles, 136 and 640 keys) and its
+    # GPU tests, then one run an arm, the kernel's profile between (the Q8_0 arm last: a cut call loses it)
     python3 experiments/bench_attention.py --keys 136,640 --out "$OUT/bench_attention_one.jsonl" \
       --tiles 16:32:128:128:4,16:32:128:512:8,16:16:128:128:4,16:32:128:64:4 > /dev/null || true
     python3 -m pytest -q -m gpu tests/test_attention_kernel.py -p no:cacheprovider -rf --tb=short \
