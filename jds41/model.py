@@ -139,14 +139,16 @@ def embed(w: QTensor, token: jax.Array) -> jax.Array:
     return w.with_rows(row, (1, w.shape[-1])).dequantize()[0]
 
 
-def attention_products(lp: LayerPlan, w: dict, h_D) -> dict[str, jax.Array]:
+def attention_products(lp: LayerPlan, w: dict, h_D, h_blocks: tuple | None = None) -> dict[str, jax.Array]:
     """The attention sublayer's products of its normed input h_D by tensor name (W_qa, W_kv, its compressors' W_kv
     and W_gate, the indexer's W_proj), one launch on CUDA where quant/co_launch.py is on, each with its own
     launch's bits. Why: each reads 0.3-4.5 MB and took 2-4.4 us as a launch of its own, mostly fixed cost (V4-Flash
     on an H100: seven such launches, ~21 us, in a layer with an indexer; results/profile_decode_mhc_v4_43_8L_h100
     .jsonl); together 16.8-17.0 us there, 10.1-10.2 in a ratio-128 layer, 7.5 and 6.8 where only W_qa and W_kv
     are (7.6 and 7.2 apart; results/profile_decode_attn_together43_8L_h100.jsonl).
-    W_kv stays in `attention.latent` where the side stream's site "latent" runs it on a second stream."""
+    W_kv stays in `attention.latent` where the side stream's site "latent" runs it on a second stream. `h_blocks`:
+    h's int8 blocks (q, d) where the sublayer input's launch wrote them (`rounds_attention_input`), which the
+    products that read int8 blocks take instead of a rounding launch (the same bits)."""
     groups = [("attn_q_a",)] + ([] if "latent" in side_stream.SITES else [("attn_kv",)])
     for spec, prefix in ((lp.cmp, "attn_compressor"), (lp.idx_cmp, "indexer_compressor")):
         if spec is not None:  # a compressor's two products have one shape: one job (qtensor.share_a_launch)
@@ -154,19 +156,22 @@ def attention_products(lp: LayerPlan, w: dict, h_D) -> dict[str, jax.Array]:
     if lp.runs_indexer:
         groups.append(("indexer.proj",))
     x = jnp.asarray(h_D, jnp.float32)
+    if h_blocks is not None:
+        x = qtensor.PreRounded(x, *h_blocks)
     made = co_launch.products(tuple(co_launch.Dense(x, tuple(w[n] for n in g)) for g in groups))
     return {name: y for g, ys in zip(groups, made) for name, y in zip(g, ys)}
 
 
 def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_st: list, h_D, pos, shared: dict,
-                     together: bool = False):
+                     together: bool = False, h_blocks: tuple | None = None):
     """Attention sublayer of layer lp.index on the normed input h_D; updates new_st[lp.index]; returns [D].
     `together`: h_D's products as `attention_products` makes them (decode's step; the other paths keep a launch a
-    product, so the engine's equalities check the shared launch's bits)."""
+    product, so the engine's equalities check the shared launch's bits), with h's int8 blocks `h_blocks` where
+    the sublayer input's launch wrote them."""
     cfg = plan.cfg
     freqs = jnp.asarray(layer_rope_freqs(cfg, lp.index))
     st = dict(st_all[lp.index])
-    made = attention_products(lp, w, h_D) if together and co_launch.ATTENTION else None
+    made = attention_products(lp, w, h_D, h_blocks) if together and co_launch.ATTENTION else None
     q, qr = attention.query(cfg, w, h_D, made)
     st["ring"] = attention.push_ring(st["ring"], attention.latent(cfg, w, h_D, pos, freqs, made), pos)
     win_kv, win_valid = attention.window_rows(st["ring"], cfg.window, pos)
@@ -292,6 +297,22 @@ def sublayer_input(cfg: ModelConfig, w: dict, branch: str, x_HD, pre_prev_H, rou
     return xla(x_HD, pre_prev_H)
 
 
+def _input_launch_rounds(cfg: ModelConfig) -> bool:
+    """Whether the sublayer input's kernels run and can write h's int8 blocks (`sublayer_input`'s round_h)."""
+    return (mhc_input_kernel.ROUND_FFN_INPUT and mhc_input_kernel.applies(cfg.hc_mult, cfg.dim, cfg.hc_mix,
+                                                                          lagged=cfg.hc_lag)
+            and mhc_input_kernel.rounds(cfg.dim))
+
+
+def rounds_attention_input(plan: ModelPlan, w: dict) -> bool:
+    """Whether decode's attention input comes with its int8 blocks (`sublayer_input`'s round_h): the sublayer
+    input's kernels can round, its products share a launch (`attention_products`) and W_qa reads int8 blocks in
+    their plain order (Q8_0 under the "int8" numerics with JDS41_INT8_Q8_0=1): the launch that writes h then
+    rounds it, not a launch of its own."""
+    return co_launch.ENABLED and co_launch.ATTENTION and _input_launch_rounds(plan.cfg) \
+        and qtensor.reads_plain_int8(w["attn_q_a"])
+
+
 def rounds_ffn_input(plan: ModelPlan, w: dict) -> bool:
     """Whether decode's FFN input comes with its int8 blocks (`sublayer_input`'s round_h): the sublayer input's
     kernels run and can round, and the routed gate/up products read int8 blocks in their plain order (the "int8"
@@ -304,12 +325,9 @@ def rounds_ffn_input(plan: ModelPlan, w: dict) -> bool:
     gate = w["routed"].hbm["gate"] if "routed" in w else w.get("ffn_gate_exps")
     if gate is None:
         return False
-    if not (mhc_input_kernel.ROUND_FFN_INPUT and co_launch.ENABLED and cfg.n_shared_experts):
+    if not (co_launch.ENABLED and cfg.n_shared_experts):
         return False  # (routed_and_shared's co-launch is what reads them)
-    if not (mhc_input_kernel.applies(cfg.hc_mult, cfg.dim, cfg.hc_mix, lagged=cfg.hc_lag)
-            and mhc_input_kernel.rounds(cfg.dim)):
-        return False
-    return qtensor.reads_plain_int8(gate)
+    return _input_launch_rounds(cfg) and qtensor.reads_plain_int8(gate)
 
 
 def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_rows: jax.Array | None,
@@ -343,10 +361,11 @@ def step(plan: ModelPlan, params: dict, state: dict, token: jax.Array, engram_ro
             features[lp.index] = jnp.mean(x, axis=0)
         for branch in ("attn", "ffn"):
             with jax.named_scope(branch):
-                round_h = branch == "ffn" and rounds_ffn_input(plan, w)
+                round_h = (rounds_ffn_input if branch == "ffn" else rounds_attention_input)(plan, w)
                 h, pre, post, comb, *h_blocks = sublayer_input(cfg, w, branch, x, pre_prev, round_h)
                 if branch == "attn":
-                    out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared, together=True)
+                    out = _attention_block(plan, lp, w, state["layers"], new_layers, h, pos, shared, together=True,
+                                           h_blocks=tuple(h_blocks) or None)
                 else:
                     predicted.append(_predict_next(plan, lp, params, h))
                     out, idx, n_swaps = _ffn_block(plan, lp, w, h, token, tuple(h_blocks) or None)

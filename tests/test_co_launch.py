@@ -207,12 +207,13 @@ _V4_ATTENTION = {"attn_q_a": 64, "attn_kv": 32, "attn_compressor_kv": 64, "attn_
                  "indexer_compressor_kv": 32, "indexer_compressor_gate": 32, "indexer.proj": 16}
 
 
-def _v4_attention_layer(rng, D=512, scale=1):
-    """(lp, w): the plan fields `model.attention_products` reads and the seven weights, `scale` x their rows."""
+def _v4_attention_layer(rng, D=512, scale=1, act_round=None):
+    """(lp, w): the plan fields `model.attention_products` reads and the seven weights, `scale` x their rows
+    (`act_round`: their activation rounding, QTensor.act_round)."""
     def qt(n_out):
         shape = (n_out * scale, D)
         raw, rows = _rows(rng, T.Q8_0, shape)
-        return QTensor.from_raw(raw, T.Q8_0, shape).with_layout(rows, "planar")
+        return QTensor.from_raw(raw, T.Q8_0, shape, act_round=act_round).with_layout(rows, "planar")
 
     spec = lambda width: CompressorSpec(4, width, True, True, True, 8)  # noqa: E731  (ratio 4, overlapped)
     lp = SimpleNamespace(cmp=spec(32 * scale), idx_cmp=spec(16 * scale), runs_indexer=True)
@@ -230,6 +231,46 @@ def test_attention_products_give_the_separate_products_bits(interpreted):
     hca = SimpleNamespace(cmp=CompressorSpec(128, 32, False, True, False, 8), idx_cmp=None, runs_indexer=False)
     assert sorted(model.attention_products(hca, w, h)) == ["attn_compressor_gate", "attn_compressor_kv",
                                                           "attn_kv", "attn_q_a"]
+
+
+def test_attention_products_with_hs_blocks_given_give_the_same_bits_without_rounding_again(interpreted, monkeypatch):
+    """Under the int8 numerics with the Q8_0 products rounding too (JDS41_INT8_Q8_0=1), h's int8 blocks handed in
+    (as the sublayer input's launch writes them, model.rounds_attention_input) replace the shared launch's own
+    rounding of h: the same bits, and lowered for CUDA no rounding launch. Without Q8_0 among the rounded formats
+    the blocks are not read: the products are the f32 ones."""
+    from jds41.quant import int8_act, int8_round_kernel, qtensor
+
+    rng = np.random.default_rng(16)
+    lp, w = _v4_attention_layer(rng, act_round="int8")
+    h = jnp.asarray(rng.standard_normal(512) * 2, jnp.float32)
+    run = lambda h, blocks: model.attention_products(lp, w, h, blocks)  # noqa: E731
+    f32 = jax.jit(lambda h: run(h, None))(h)
+    monkeypatch.setattr(qtensor, "INT8_TYPES", int8_act.PRODUCT_TYPES)
+    given = jax.jit(lambda h: run(h, round_int8(h)))(h)
+    rounded = jax.jit(lambda h: run(h, None))(h)
+    _equal([given[n] for n in sorted(given)], [rounded[n] for n in sorted(rounded)])
+    assert all(not np.array_equal(np.asarray(rounded[n]), np.asarray(f32[n])) for n in rounded)  # int8 really read
+    # model.step hands them in where the sublayer input's launch can write them and W_qa reads int8 blocks
+    plan = SimpleNamespace(cfg=SimpleNamespace(hc_mult=4, dim=512, hc_mix=24, hc_lag=False))
+    assert model.rounds_attention_input(plan, w)
+    monkeypatch.setattr(qtensor, "INT8_TYPES", int8_act.PRODUCT_TYPES - {T.Q8_0})  # the default: Q8_0 reads f32
+    assert not model.rounds_attention_input(plan, w)
+    monkeypatch.setattr(qtensor, "INT8_TYPES", int8_act.PRODUCT_TYPES)
+    assert not model.rounds_attention_input(SimpleNamespace(cfg=SimpleNamespace(hc_mult=4, dim=528, hc_mix=24,
+                                                                                hc_lag=False)), w)
+    monkeypatch.setattr(co_launch, "ATTENTION", False)
+    assert not model.rounds_attention_input(plan, w)
+    monkeypatch.setattr(co_launch, "ATTENTION", True)
+    monkeypatch.setattr(triton_matvec, "INTERPRET", False)
+    monkeypatch.setattr(triton_matvec, "has_triton_backend", lambda: True)
+    monkeypatch.setattr(triton_matvec, "_BACKEND", True)
+    monkeypatch.setattr(int8_round_kernel, "ENABLED", True)
+
+    def rounds(blocks):
+        fn = (lambda h: run(h, round_int8(h))) if blocks else (lambda h: run(h, None))
+        return jax.jit(fn).trace(h).lower(lowering_platforms=("cuda",)).as_text().count('name = "round_int8"')
+
+    assert (rounds(True), rounds(False)) == (0, 1)
 
 
 def test_lowered_for_cuda_the_requests_are_one_triton_call_with_the_switch_on(monkeypatch):
