@@ -180,25 +180,33 @@ def test_routed_and_shared_gives_the_separate_functions_bits(interpreted, limits
 
 def test_routed_and_shared_with_xs_blocks_given_gives_the_same_bits_without_rounding_again(interpreted, monkeypatch):
     """x's int8 blocks handed in (as the sublayer input's launch writes them, model.rounds_ffn_input) replace the
-    gate/up launch's own rounding of x: the same bits, and lowered for CUDA one rounding launch fewer."""
-    from jds41.quant import int8_round_kernel
+    gate/up launch's own rounding of x: the same bits, and lowered for CUDA one rounding launch fewer; with the
+    shared expert's Q8_0 rounding too (JDS41_INT8_Q8_0=1) it reads them as well: no rounding launch at all."""
+    from jds41.quant import int8_act, int8_round_kernel, qtensor
 
     rng = np.random.default_rng(15)
     routed, shared = _layer(rng, F=256)
     x = jnp.asarray(rng.standard_normal(512) * 3, jnp.float32)
     idx, weight = jnp.asarray([2, 4, 1], jnp.int32), jnp.asarray([0.5, 0.3, 0.2], jnp.float32)
     run = lambda x, blocks: moe.routed_and_shared(x, routed, idx, weight, 7.0, shared, 10.0, x_blocks=blocks)  # noqa
-    _equal(jax.jit(lambda x: run(x, round_int8(x)))(x), jax.jit(lambda x: run(x, None))(x))
+    f32_shared = jax.jit(lambda x: run(x, round_int8(x)))(x)
+    _equal(f32_shared, jax.jit(lambda x: run(x, None))(x))
     monkeypatch.setattr(triton_matvec, "INTERPRET", False)
     monkeypatch.setattr(triton_matvec, "has_triton_backend", lambda: True)
     monkeypatch.setattr(triton_matvec, "_BACKEND", True)
     monkeypatch.setattr(int8_round_kernel, "ENABLED", True)
 
-    def rounds(blocks):
+    def rounds(blocks):  # the rounding launches: calls of the jitted rounding function, once defined in the text
         fn = (lambda x: run(x, round_int8(x))) if blocks else (lambda x: run(x, None))
-        return jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text().count('name = "round_int8"')
+        return jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text().count("call @round_int8_rows(")
 
     assert (rounds(True), rounds(False)) == (0, 1)  # the down products' rounding is the hidden launch's
+    monkeypatch.setattr(qtensor, "INT8_TYPES", int8_act.PRODUCT_TYPES)
+    assert (rounds(True), rounds(False)) == (0, 2)  # the routed and the shared gate/up's
+    monkeypatch.setattr(triton_matvec, "INTERPRET", True)
+    q8 = jax.jit(lambda x: run(x, round_int8(x)))(x)
+    _equal(q8, jax.jit(lambda x: run(x, None))(x))
+    assert not np.array_equal(np.asarray(q8), np.asarray(f32_shared))  # the shared expert's products did read int8
 
 
 # A V4 CSA layer's products of its attention input (W_qa, W_kv, the compressor's and the indexer compressor's
@@ -236,8 +244,8 @@ def test_attention_products_give_the_separate_products_bits(interpreted):
 def test_attention_products_with_hs_blocks_given_give_the_same_bits_without_rounding_again(interpreted, monkeypatch):
     """Under the int8 numerics with the Q8_0 products rounding too (JDS41_INT8_Q8_0=1), h's int8 blocks handed in
     (as the sublayer input's launch writes them, model.rounds_attention_input) replace the shared launch's own
-    rounding of h: the same bits, and lowered for CUDA no rounding launch. Without Q8_0 among the rounded formats
-    the blocks are not read: the products are the f32 ones."""
+    roundings of h: the same bits, and lowered for CUDA no rounding launch where there were five. Without Q8_0
+    among the rounded formats the blocks are not read: the products are the f32 ones."""
     from jds41.quant import int8_act, int8_round_kernel, qtensor
 
     rng = np.random.default_rng(16)
@@ -266,11 +274,11 @@ def test_attention_products_with_hs_blocks_given_give_the_same_bits_without_roun
     monkeypatch.setattr(triton_matvec, "_BACKEND", True)
     monkeypatch.setattr(int8_round_kernel, "ENABLED", True)
 
-    def rounds(blocks):
+    def rounds(blocks):  # the rounding launches: calls of the jitted rounding function, once defined in the text
         fn = (lambda h: run(h, round_int8(h))) if blocks else (lambda h: run(h, None))
-        return jax.jit(fn).trace(h).lower(lowering_platforms=("cuda",)).as_text().count('name = "round_int8"')
+        return jax.jit(fn).trace(h).lower(lowering_platforms=("cuda",)).as_text().count("call @round_int8_rows(")
 
-    assert (rounds(True), rounds(False)) == (0, 1)
+    assert (rounds(True), rounds(False)) == (0, 5)  # one a request (W_qa, W_kv, two compressors, W_proj) without
 
 
 def test_lowered_for_cuda_the_requests_are_one_triton_call_with_the_switch_on(monkeypatch):

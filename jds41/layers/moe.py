@@ -83,8 +83,8 @@ def routed_and_shared(x_D: jax.Array, routed: tuple, idx_K: jax.Array, weight_K:
     one launch and the two down products another: the shared expert's bandwidth-bound Q8_0 programs then run
     beside the routed experts' instruction-bound two-bit ones instead of after them. The values around the
     launches are the separate functions' own ops in their own islands. `x_blocks`: x's int8 blocks (q, d) as
-    int8_act.round_int8 gives them, computed with x (model.rounds_ffn_input): the routed gate/up launch reads them
-    rather than rounding x again (the same bits)."""
+    int8_act.round_int8 gives them, computed with x (model.rounds_ffn_input): the gate/up launch reads them rather
+    than rounding x again (the same bits)."""
     if shared is None or not co_launch.ENABLED:
         y = routed_experts(x_D, *routed, idx_K, weight_K, limit)
         return y if shared is None else y + shared_expert(x_D, *shared, limit_shexp)
@@ -93,8 +93,9 @@ def routed_and_shared(x_D: jax.Array, routed: tuple, idx_K: jax.Array, weight_K:
     x_r, idx_K, weight_K = island((jnp.asarray(x_D, jnp.float32), jnp.asarray(idx_K, jnp.int32),
                                    jnp.asarray(weight_K, jnp.float32)))
     x_s = island(jnp.asarray(x_D, jnp.float32))
-    if x_blocks is not None:
+    if x_blocks is not None:  # (the shared gate/up reads them too where its Q8_0 rounds, JDS41_INT8_Q8_0=1)
         x_r = PreRounded(x_r, *island(tuple(x_blocks)))
+        x_s = PreRounded(x_s, *island(tuple(x_blocks)))
     # each gate/up pair's values side by side ([.., 2F], `joint`), as SwiGLU holds them
     gu_K2F, gu_2F = co_launch.products((co_launch.Experts(x_r, (gate_exps, up_exps), idx_K),
                                         co_launch.Dense(x_s, (gate, up))), joint=True)
