@@ -90,11 +90,11 @@
 #                                             # 567.9 against 574.9 in one pair (8fbb14c: 567.8 against 562.6):
 #                                             # repeat with FFN_UNTIL_S=300 (FFN_TESTS, FFN_PROFILE_ARMS trim it)
 #   bash experiments/device_next.sh attn-one  # the attention kernel as one launch (JDS41_ATTN_KERNEL=1; the two-launch
-#                                             # form it replaced gave no gain): alone over four tiles against XLA,
-#                                             # its GPU tests, V4 8 layers int8 with the defaults, the kernel, and
+#                                             # form it replaced gave no gain): alone over four tiles against XLA
+#                                             # (the fastest is the decode arms' JDS41_ATTN_TILE), its GPU tests,
+#                                             # V4 8 layers int8 with the defaults, the kernel, a profile of it,
 #                                             # the Q8_0 products rounded too (JDS41_INT8_Q8_0=1, opt-in since the
-#                                             # thirty-first session's H100 run), a profile of the kernel's arm,
-#                                             # ~9 min. Tried in the forty-sixth session (as "int8-q8"): no machine
+#                                             # thirty-first session's H100 run), both, ~9-10 min. Tried in the forty-sixth session (as "int8-q8"): no machine
 #                                             # started, and one taken back mid-call returned nothing
 #     mhc-v4, attn-together, compressor and softmax run through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB
 #     pairs while SECONDS < V4_AB_UNTIL_S (0: one pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400);
@@ -276,21 +276,44 @@ case "${1:-}" in
     # (JDS41_INT8_Q8_0=1, quant/int8_act.py; its rounding launches cost what the products saved on an H100 in the
     # thirty-first session, before the FFN's input came rounded from its sublayer input's launch) against the
     # defaults on V4-Flash 8 layers int8. First the kernel alone against XLA (four tiles, 136 and 640 keys) and its
-    # GPU tests, then one run an arm, the kernel's profile between (the Q8_0 arm last: a cut call loses it)
+    # GPU tests, then one run an arm, the kernel's profile after its run (the Q8_0 arms last: a cut call loses
+    # them)
     python3 experiments/bench_attention.py --keys 136,640 --out "$OUT/bench_attention_one.jsonl" \
       --tiles 16:32:128:128:4,16:32:128:512:8,16:16:128:128:4,16:32:128:64:4 > /dev/null || true
+    # the decode arms take the tile with the least summed time over both key counts (the default if none ran)
+    tile=$(python3 - "$OUT/bench_attention_one.jsonl" <<'PICK'
+import collections, json, sys
+try:
+    rows = [json.loads(line) for line in open(sys.argv[1])]
+except OSError:
+    rows = []
+total, seen = collections.Counter(), collections.Counter()
+for r in rows:
+    if r.get("path") == "kernel" and "net_us" in r:
+        key = ":".join(map(str, r["tile"]))
+        total[key] += r["net_us"]
+        seen[key] += 1
+full = [k for k in total if seen[k] == max(seen.values())]
+print(min(full, key=total.__getitem__) if full else "")
+PICK
+)
+    echo "JDS41_ATTN_TILE=$tile"
     python3 -m pytest -q -m gpu tests/test_attention_kernel.py -p no:cacheprovider -rf --tb=short \
       > "$OUT/attn_one_gpu_tests.txt" 2>&1 || true
     tail -3 "$OUT/attn_one_gpu_tests.txt"
+    attn=(JDS41_ATTN_KERNEL=1 ${tile:+JDS41_ATTN_TILE=$tile})
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_s46_8L.jsonl")
     python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the 28 GB file
-    JDS41_ATTN_KERNEL=1 python3 experiments/bench_decode.py "${v4[@]}" || true
+    env "${attn[@]}" python3 experiments/bench_decode.py "${v4[@]}" || true
     if (( SECONDS < 400 )); then
-      JDS41_ATTN_KERNEL=1 python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 \
+      env "${attn[@]}" python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 \
         --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_s46_8L.jsonl" || true
     fi
-    if (( SECONDS < 470 )); then JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${v4[@]}" || true; fi ;;
+    if (( SECONDS < 470 )); then JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${v4[@]}" || true; fi
+    if (( SECONDS < 520 )); then
+      env "${attn[@]}" JDS41_INT8_Q8_0=1 python3 experiments/bench_decode.py "${v4[@]}" || true
+    fi ;;
   mhc-v4)  # V4's unlagged sublayer inputs: three launches (the default) against XLA's ~9 kernels a sublayer
     v4_ab JDS41_MHC_KERNEL_V4 tests/test_mhc_input_kernel.py mhc_v4 ;;
   attn-together)  # model.attention_products (one launch for W_qa, W_kv, the compressors', W_proj) against one each
