@@ -178,11 +178,28 @@ def test_routed_and_shared_gives_the_separate_functions_bits(interpreted, limits
            jax.jit(lambda x: moe.routed_experts(x, *routed, idx, weight, limits[0]))(x))
 
 
+def _rounding_calls_for_cuda(monkeypatch, run, x):
+    """With the kernels lowered for CUDA from here on: blocks -> the rounding launches of run(x, x's blocks if
+    `blocks` else None), counted as calls of the jitted rounding function (defined once in the text)."""
+    from jds41.quant import int8_round_kernel
+
+    monkeypatch.setattr(triton_matvec, "INTERPRET", False)
+    monkeypatch.setattr(triton_matvec, "has_triton_backend", lambda: True)
+    monkeypatch.setattr(triton_matvec, "_BACKEND", True)
+    monkeypatch.setattr(int8_round_kernel, "ENABLED", True)
+
+    def rounds(blocks: bool) -> int:
+        fn = (lambda x: run(x, round_int8(x))) if blocks else (lambda x: run(x, None))
+        return jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text().count("call @round_int8_rows(")
+
+    return rounds
+
+
 def test_routed_and_shared_with_xs_blocks_given_gives_the_same_bits_without_rounding_again(interpreted, monkeypatch):
     """x's int8 blocks handed in (as the sublayer input's launch writes them, model.rounds_ffn_input) replace the
     gate/up launch's own rounding of x: the same bits, and lowered for CUDA one rounding launch fewer; with the
     shared expert's Q8_0 rounding too (JDS41_INT8_Q8_0=1) it reads them as well: no rounding launch at all."""
-    from jds41.quant import int8_act, int8_round_kernel, qtensor
+    from jds41.quant import int8_act, qtensor
 
     rng = np.random.default_rng(15)
     routed, shared = _layer(rng, F=256)
@@ -191,15 +208,7 @@ def test_routed_and_shared_with_xs_blocks_given_gives_the_same_bits_without_roun
     run = lambda x, blocks: moe.routed_and_shared(x, routed, idx, weight, 7.0, shared, 10.0, x_blocks=blocks)  # noqa
     f32_shared = jax.jit(lambda x: run(x, round_int8(x)))(x)
     _equal(f32_shared, jax.jit(lambda x: run(x, None))(x))
-    monkeypatch.setattr(triton_matvec, "INTERPRET", False)
-    monkeypatch.setattr(triton_matvec, "has_triton_backend", lambda: True)
-    monkeypatch.setattr(triton_matvec, "_BACKEND", True)
-    monkeypatch.setattr(int8_round_kernel, "ENABLED", True)
-
-    def rounds(blocks):  # the rounding launches: calls of the jitted rounding function, once defined in the text
-        fn = (lambda x: run(x, round_int8(x))) if blocks else (lambda x: run(x, None))
-        return jax.jit(fn).trace(x).lower(lowering_platforms=("cuda",)).as_text().count("call @round_int8_rows(")
-
+    rounds = _rounding_calls_for_cuda(monkeypatch, run, x)
     assert (rounds(True), rounds(False)) == (0, 1)  # the down products' rounding is the hidden launch's
     monkeypatch.setattr(qtensor, "INT8_TYPES", int8_act.PRODUCT_TYPES)
     assert (rounds(True), rounds(False)) == (0, 2)  # the routed and the shared gate/up's
@@ -246,7 +255,7 @@ def test_attention_products_with_hs_blocks_given_give_the_same_bits_without_roun
     (as the sublayer input's launch writes them, model.rounds_attention_input) replace the shared launch's own
     roundings of h: the same bits, and lowered for CUDA no rounding launch where there were five. Without Q8_0
     among the rounded formats the blocks are not read: the products are the f32 ones."""
-    from jds41.quant import int8_act, int8_round_kernel, qtensor
+    from jds41.quant import int8_act, qtensor
 
     rng = np.random.default_rng(16)
     lp, w = _v4_attention_layer(rng, act_round="int8")
@@ -269,15 +278,7 @@ def test_attention_products_with_hs_blocks_given_give_the_same_bits_without_roun
     monkeypatch.setattr(co_launch, "ATTENTION", False)
     assert not model.rounds_attention_input(plan, w)
     monkeypatch.setattr(co_launch, "ATTENTION", True)
-    monkeypatch.setattr(triton_matvec, "INTERPRET", False)
-    monkeypatch.setattr(triton_matvec, "has_triton_backend", lambda: True)
-    monkeypatch.setattr(triton_matvec, "_BACKEND", True)
-    monkeypatch.setattr(int8_round_kernel, "ENABLED", True)
-
-    def rounds(blocks):  # the rounding launches: calls of the jitted rounding function, once defined in the text
-        fn = (lambda h: run(h, round_int8(h))) if blocks else (lambda h: run(h, None))
-        return jax.jit(fn).trace(h).lower(lowering_platforms=("cuda",)).as_text().count("call @round_int8_rows(")
-
+    rounds = _rounding_calls_for_cuda(monkeypatch, run, h)
     assert (rounds(True), rounds(False)) == (0, 5)  # one a request (W_qa, W_kv, two compressors, W_proj) without
 
 
