@@ -89,8 +89,7 @@ def _attention_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, new_st: list, h
                                                        block_W[i], 0)
         st["idx"] = {"keys": keys}
     new_st[lp.index] = st  # before reading sources: a layer may be its own kv source
-    win_kv, win_valid = jax.vmap(lambda p: attention.window_rows(st["ring"], cfg.window, p))(pos_W)
-    extra_kv, extra_valid, batched = None, None, False
+    extra_kv, extra_valid, batched = None, None, False  # past the window's rows, which `attend` reads from the ring
     if lp.ratio:
         src = new_st[lp.kv_source]["cmp"]["rows"]  # after every row: later rows' blocks are masked by position
         visible = jax.vmap(lambda p: compressor.visible_mask(src.shape[0], lp.ratio, p))(pos_W)
@@ -112,15 +111,11 @@ def _attention_rows(plan: M.ModelPlan, lp: M.LayerPlan, w: dict, new_st: list, h
             sel, sel_valid = shared[("topk", lp.index_source)]
             extra_kv, extra_valid, batched = src[sel], sel_valid, True
 
-    def attend(q_HK, pos, wkv, wvalid, ekv, evalid):
-        keys, valid = [wkv], [wvalid]
-        if ekv is not None:
-            keys.append(ekv)
-            valid.append(evalid)
-        return attention.attend(cfg, w, q_HK, jnp.concatenate(keys), jnp.concatenate(valid), pos, freqs)
+    def attend(q_HK, pos, ekv, evalid):
+        return attention.attend(cfg, w, q_HK, ekv, evalid, pos, freqs, ring=st["ring"])
 
-    in_axes = (0, 0, 0, 0, 0 if batched else None, 0 if extra_valid is not None else None)
-    o = jax.vmap(attend, in_axes=in_axes)(q, pos_W, win_kv, win_valid, extra_kv, extra_valid)
+    in_axes = (0, 0, 0 if batched else None, 0 if extra_valid is not None else None)
+    o = jax.vmap(attend, in_axes=in_axes)(q, pos_W, extra_kv, extra_valid)
     return jax.vmap(lambda o_HK: attention.output(cfg, w, o_HK))(o), small
 
 

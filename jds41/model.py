@@ -174,8 +174,7 @@ def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_
     made = attention_products(lp, w, h_D, h_blocks) if together and co_launch.ATTENTION else None
     q, qr = attention.query(cfg, w, h_D, made)
     st["ring"] = attention.push_ring(st["ring"], attention.latent(cfg, w, h_D, pos, freqs, made), pos)
-    win_kv, win_valid = attention.window_rows(st["ring"], cfg.window, pos)
-    keys, valid = [win_kv], [win_valid]
+    keys, valid = [], []  # past the window's rows, which `attend` reads from the ring
     if lp.cmp is not None:
         st["cmp"] = compressor.update(lp.cmp, st["cmp"], w, h_D, pos, freqs, cfg.rms_eps, made=made)[0]
     if lp.idx_cmp is not None:
@@ -205,7 +204,8 @@ def _attention_block(plan: ModelPlan, lp: LayerPlan, w: dict, st_all: list, new_
             sel, sel_valid = shared[("topk", lp.index_source)]
             keys.append(src[sel])
             valid.append(sel_valid)
-    o = attention.attend(cfg, w, q, jnp.concatenate(keys), jnp.concatenate(valid), pos, freqs)
+    o = attention.attend(cfg, w, q, jnp.concatenate(keys) if keys else None,
+                         jnp.concatenate(valid) if valid else None, pos, freqs, ring=st["ring"])
     return attention.output(cfg, w, o)
 
 

@@ -105,6 +105,67 @@ def test_other_tiles_give_the_same_attention(tile):
     np.testing.assert_allclose(got, want, rtol=0, atol=3e-6 * np.abs(want).max())
 
 
+def _ring_case(window: int, slack: int, pos: int, n_extra: int, seed: int = 7, kdim: int = 64, heads: int = 20):
+    """A window ring of `window + slack` rows written at positions up to pos + 2 (speculative rows past pos, which
+    a query at pos must not read), one slot stale (it holds an older position), and n_extra keys after it."""
+    rng = np.random.default_rng(seed)
+    rows = window + slack
+    ring = {"kv": np.zeros((rows, kdim), np.float32), "pos": np.full((rows,), -1, np.int32)}
+    for p in range(max(0, pos + 3 - rows), pos + 3):
+        ring["kv"][p % rows] = rng.standard_normal(kdim)
+        ring["pos"][p % rows] = p
+    if pos >= 3:
+        ring["pos"][(pos - 3) % rows] -= rows  # a stale slot
+    q, keys, valid, sink, _, freqs = _case(heads, kdim, max(n_extra, 1), seed=seed, rope=32)
+    extra = (keys[:n_extra], valid[:n_extra]) if n_extra else (None, None)
+    return q, {k: jnp.asarray(v) for k, v in ring.items()}, extra, sink, np.int32(pos), freqs
+
+
+@pytest.mark.parametrize("window,slack,pos,n_extra", [(64, 0, 200, 0), (64, 5, 200, 24), (64, 3, 30, 0),
+                                                      (48, 4, 131, 37), (64, 0, 0, 8)])
+def test_the_ring_form_reads_the_windows_rows_as_window_rows_gives_them(window, slack, pos, n_extra):
+    """The window's rows read where they lie in the ring (early positions, wrap-around, slack, a stale slot, rows
+    past the query's position) and the keys after them: the XLA spelling's attention over `window_rows` joined
+    with the keys, to f32 rounding; and where the window is whole chunks, bit for bit the kernel over the gathered
+    keys (the same keys in the same chunks)."""
+    q, ring, (extra, extra_valid), sink, pos, freqs = _ring_case(window, slack, pos, n_extra)
+    cfg = types.SimpleNamespace(head_dim=64, q_head_norm=True, rms_eps=1e-6, window=window)
+    w = {"attn_sinks": jnp.asarray(sink)}
+    win_kv, win_valid = attention.window_rows(ring, window, pos)
+    keys = win_kv if extra is None else jnp.concatenate([win_kv, extra])
+    valid = win_valid if extra is None else jnp.concatenate([win_valid, extra_valid])
+    for turn_inside in (True, False):
+        got = np.asarray(attend_kernels(q, extra, extra_valid, sink, pos, freqs, 0.125, 1e-6, interpret=True,
+                                        turn_inside=turn_inside, ring=ring, window=window))
+        want = _numpy_attend(q, np.asarray(keys), np.asarray(valid), sink, pos, freqs, head_norm=True)
+        np.testing.assert_allclose(got, want, rtol=0, atol=3e-6 * np.abs(want).max())
+        gathered = np.asarray(attend_kernels(q, keys, valid, sink, pos, freqs, 0.125, 1e-6, interpret=True,
+                                             turn_inside=turn_inside))
+        if window % attention_kernel.BN == 0:
+            np.testing.assert_array_equal(got, gathered)
+    # attention.attend with the ring, switched off: XLA over window_rows and the keys joined after them, the bits
+    # of the engine's composition before the ring form (the gather and the join in the same program)
+    xla = np.asarray(jax.jit(lambda q: attention.attend(cfg, w, q, extra, extra_valid, pos, freqs, ring=ring))(q))
+    np.testing.assert_allclose(xla, want, rtol=0, atol=3e-6 * np.abs(want).max())
+
+    def before(q):
+        win_kv, win_valid = attention.window_rows(ring, window, pos)
+        keys, valid = [win_kv], [win_valid]
+        if extra is not None:
+            keys.append(extra)
+            valid.append(extra_valid)
+        return attention.attend_xla(cfg, w["attn_sinks"], q, jnp.concatenate(keys), jnp.concatenate(valid), pos,
+                                    freqs)
+
+    np.testing.assert_array_equal(xla, np.asarray(jax.jit(before)(q)))
+
+
+def test_a_window_larger_than_its_ring_is_refused():
+    q, ring, _, sink, pos, freqs = _ring_case(16, 0, 40, 0)
+    with pytest.raises(ValueError, match="a window of 32 rows in a ring of 16"):
+        attend_kernels(q, None, None, sink, pos, freqs, 0.125, interpret=True, ring=ring, window=32)
+
+
 def test_a_tile_is_spelled_as_five_positive_integers():
     """JDS41_ATTN_TILE: BH:BN:BK:CH:warps; anything else is refused by name."""
     assert parse_tile("16:32:16:4:8") == (16, 32, 16, 4, 8)

@@ -72,17 +72,27 @@ def push_ring(ring: dict, kv: jax.Array, pos: jax.Array) -> dict:
             "pos": jax.lax.dynamic_update_index_in_dim(ring["pos"], pos, slot, 0)}
 
 
-def attend(cfg: ModelConfig, w: dict, q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, pos: jax.Array,
-           freqs: jax.Array) -> jax.Array:
-    """The attention output [H, HD] of `query`'s q at position `pos`, turned back (inverse RoPE) for W_oa. On CUDA
-    with JDS41_ATTN_KERNEL=1, layers/attention_kernel.py's two launches (which also normalise and turn q and turn
-    the output back); the XLA spelling `attend_xla` is the reference."""
+def attend(cfg: ModelConfig, w: dict, q_HK: jax.Array, keys_NK: jax.Array | None, valid_N: jax.Array | None,
+           pos: jax.Array, freqs: jax.Array, ring: dict | None = None) -> jax.Array:
+    """The attention output [H, HD] of `query`'s q at position `pos`, turned back (inverse RoPE) for W_oa, over the
+    window's rows of `ring` (`window_rows`, where a ring is given) and then keys [N, HD] with valid [N] (None:
+    none). On CUDA with JDS41_ATTN_KERNEL=1, layers/attention_kernel.py's one launch (which also normalises and
+    turns q, turns the output back, and reads the window's rows where they lie in the ring); the XLA spelling
+    (`window_rows`, the keys joined after them, `attend_xla`) is the reference."""
     sink_H = w["attn_sinks"]
+
+    def xla(q_HK, ring, keys_NK, valid_N, pos):
+        if ring is not None:
+            win_kv, win_valid = window_rows(ring, cfg.window, pos)
+            keys_NK = win_kv if keys_NK is None else jnp.concatenate([win_kv, keys_NK])
+            valid_N = win_valid if valid_N is None else jnp.concatenate([win_valid, valid_N])
+        return attend_xla(cfg, sink_H, q_HK, keys_NK, valid_N, pos, freqs)
+
     if attention_kernel.applies(q_HK.shape[-1]):
-        return attention_kernel.attend(q_HK, keys_NK, valid_N, sink_H, pos, freqs, cfg.head_dim ** -0.5,
+        return attention_kernel.attend(q_HK, ring, keys_NK, valid_N, sink_H, pos, freqs, cfg.head_dim ** -0.5,
                                        cfg.rms_eps if cfg.q_head_norm else None,
-                                       default=lambda q, k, v, p: attend_xla(cfg, sink_H, q, k, v, p, freqs))
-    return attend_xla(cfg, sink_H, q_HK, keys_NK, valid_N, pos, freqs)
+                                       cfg.window if ring is not None else 0, default=xla)
+    return xla(q_HK, ring, keys_NK, valid_N, pos)
 
 
 def attend_xla(cfg: ModelConfig, sink_H: jax.Array, q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array,

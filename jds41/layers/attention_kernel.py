@@ -9,7 +9,10 @@ flash-decoding does, partials and then a combining launch: with its products on 
 took as long as XLA's kernels, ~15 us a layer in its two launches, and gave no decode gain
 (results/bench_decode_attn_dot39_v41_4L_h100.jsonl). Here one launch does it all, in programs of BH heads and BV
 output columns (grid: head blocks x column blocks; V4's 64 heads at (16, 128): 16 programs), each over every key
-in chunks of BN (keys are few and the programs read them from L2):
+in chunks of BN (keys are few and the programs read them from L2). The window's keys are read where they lie in
+the ring (`ring`, `window`: the rows of positions pos - window + 1 .. pos, oldest first, each valid where its slot
+holds that position, as attention.window_rows gives them, without XLA's gather), then the keys past them (the
+compressed rows, gathered by the caller):
 - the scores of a chunk, s = q.k * scale (masked keys -inf), the products BK latent columns a step;
 - a running softmax whose maximum starts at the head's sink logit and whose denominator starts at its exp(0) = 1
   (the sink sits in the denominator only): top = max(m, max s), alpha = exp(m - top), p = exp(s - top),
@@ -116,11 +119,12 @@ def _turn(vals, partner, cols, pos_ref, freqs_ref, *, kdim: int, inverse: bool):
     return jnp.where((cols >= first)[None, :], vals * jnp.cos(angle)[None, :] + partner * signed[None, :], vals)
 
 
-def _attend_program(q_ref, k_ref, valid_ref, sink_ref, pos_ref, freqs_ref, o_ref, *, heads: int, n: int,
-                    kdim: int, scale: float, norm_eps: float | None, turn: bool, bh: int, bn: int, bk: int, bv: int,
-                    dot: str):
-    """One program: heads hb * bh .. + bh, output columns vb * bv .. + bv, over every key (see the module
-    docstring)."""
+def _attend_program(q_ref, ring_ref, ring_pos_ref, k_ref, valid_ref, sink_ref, pos_ref, freqs_ref, o_ref, *,
+                    heads: int, window: int, n: int, kdim: int, scale: float, norm_eps: float | None, turn: bool,
+                    bh: int, bn: int, bk: int, bv: int, dot: str):
+    """One program: heads hb * bh .. + bh, output columns vb * bv .. + bv, over the window's rows of the ring
+    (`window` of them, oldest first, as attention.window_rows orders them) and then the n keys of k_ref (see the
+    module docstring)."""
     hb, vb = pl.program_id(0), pl.program_id(1)
     h_at = hb * bh + jnp.arange(bh, dtype=jnp.int32)
     q_rows = jnp.minimum(h_at, heads - 1)  # padding heads read the last head; their results are dropped
@@ -139,31 +143,43 @@ def _attend_program(q_ref, k_ref, valid_ref, sink_ref, pos_ref, freqs_ref, o_ref
               for last, cols in steps if turn and last >= first_rope}
     v_cols = vb * bv + jnp.arange(bv, dtype=jnp.int32)
     sink = sink_ref[q_rows]
+    ring_rows = ring_ref.shape[0]
 
     def run(partner: bool):
-        def chunk(c, carry):
+        def keys(refs_rows_live, carry):  # a chunk of keys: rows `rows` of `keys_ref`, masked where not `live`
+            keys_ref, rows, live = refs_rows_live
             m, denom, acc, acc_partner = carry
-            n_at = c * bn + jnp.arange(bn, dtype=jnp.int32)
-            k_rows = jnp.minimum(n_at, n - 1)  # keys past the end read the last key and are masked
             s = jnp.zeros((bh, bn), jnp.float32)
             for last, cols in steps:
                 qb = turned[last] if last in turned else q_ref[q_rows[:, None], cols[None, :]]
-                s = s + _dot(qb, k_ref[k_rows[:, None], cols[None, :]], 1, dot)
-            live = (n_at < n) & (valid_ref[k_rows] != 0)
+                s = s + _dot(qb, keys_ref[rows[:, None], cols[None, :]], 1, dot)
             s = jnp.where(live[None, :], s * factor, -jnp.inf)
             top = jnp.maximum(m, jnp.max(s, axis=1))  # finite: m starts at the sink
             alpha = jnp.exp(m - top)
             p = jnp.exp(s - top[:, None])
-            acc = acc * alpha[:, None] + _dot(p, k_ref[k_rows[:, None], v_cols[None, :]], 0, dot)
+            acc = acc * alpha[:, None] + _dot(p, keys_ref[rows[:, None], v_cols[None, :]], 0, dot)
             if partner:
-                acc_partner = acc_partner * alpha[:, None] + _dot(p, k_ref[k_rows[:, None], (v_cols ^ 1)[None, :]],
-                                                                  0, dot)
+                acc_partner = acc_partner * alpha[:, None] + _dot(
+                    p, keys_ref[rows[:, None], (v_cols ^ 1)[None, :]], 0, dot)
             return top, denom * alpha + jnp.sum(p, axis=1), acc, acc_partner
+
+        def window_chunk(c, carry):  # window_rows' rows: position pos - window + 1 + i at slot position mod ring
+            i = c * bn + jnp.arange(bn, dtype=jnp.int32)
+            want = pos_ref[0] - window + 1 + i
+            slot = jnp.where(i < window, lax.rem(want + ring_rows, ring_rows), 0)  # want > -ring_rows in the window
+            live = (i < window) & (want >= 0) & (ring_pos_ref[slot] == want)
+            return keys((ring_ref, slot, live), carry)
+
+        def extra_chunk(c, carry):
+            n_at = c * bn + jnp.arange(bn, dtype=jnp.int32)
+            rows = jnp.minimum(n_at, n - 1)  # keys past the end read the last key and are masked
+            return keys((k_ref, rows, (n_at < n) & (valid_ref[rows] != 0)), carry)
 
         zero = jnp.zeros((bh, bv), jnp.float32)
         # the sink's logit starts the running maximum, its exp(0) = 1 the denominator: it sits there only
-        start = (sink, jnp.ones((bh,), jnp.float32), zero, zero)
-        _, denom, acc, acc_partner = lax.fori_loop(0, -(-n // bn), chunk, start)
+        carry = (sink, jnp.ones((bh,), jnp.float32), zero, zero)
+        carry = lax.fori_loop(0, -(-window // bn), window_chunk, carry)
+        _, denom, acc, acc_partner = lax.fori_loop(0, -(-n // bn), extra_chunk, carry)
         if partner:
             acc = _turn(acc, acc_partner, v_cols, pos_ref, freqs_ref, kdim=kdim, inverse=True)
         o_ref[h_at[:, None], v_cols[None, :]] = acc / denom[:, None]
@@ -179,21 +195,32 @@ def _attend_program(q_ref, k_ref, valid_ref, sink_ref, pos_ref, freqs_ref, o_ref
         run(True)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "norm_eps", "interpret", "turn_inside", "tile", "dot"))
-def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink_H: jax.Array, pos: jax.Array,
-                   freqs: jax.Array, scale: float, norm_eps: float | None = None, interpret: bool = False,
-                   turn_inside: bool | None = None, tile: tuple[int, int, int, int, int] = TILE,
-                   dot: str = DOT) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("scale", "norm_eps", "interpret", "turn_inside", "tile", "dot",
+                                             "window"))
+def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array | None, valid_N: jax.Array | None, sink_H: jax.Array,
+                   pos: jax.Array, freqs: jax.Array, scale: float, norm_eps: float | None = None,
+                   interpret: bool = False, turn_inside: bool | None = None,
+                   tile: tuple[int, int, int, int, int] = TILE, dot: str = DOT, ring: dict | None = None,
+                   window: int = 0) -> jax.Array:
     """`attention.attend_xla` by the kernel: q [H, K] as W_qb gives it (RMS-normalised a head first where
-    `norm_eps` is given, V4), turned by RoPE at `pos` (int32 scalar) with `freqs` [R/2]; keys [N, K], valid [N],
-    sinks [H] -> the output [H, K] f32 turned back; `interpret` runs it in Pallas' interpreter (any platform).
-    `turn_inside` (default: compiled, not interpreted) has the kernel normalise and turn q and turn the output
-    back; otherwise XLA does, as `attend_xla` (see the module docstring for why the interpreter does not). `tile`:
-    (heads, keys, latent columns a step of the scores, output columns a program, warps), powers of two (Triton's
-    dot wants at least 16 heads and 16 keys); `dot`: how the products run (DOTS; interpreted, always "ieee")."""
+    `norm_eps` is given, V4), turned by RoPE at `pos` (int32 scalar) with `freqs` [R/2]; keys [N, K], valid [N]
+    (None: none), sinks [H] -> the output [H, K] f32 turned back; `interpret` runs it in Pallas' interpreter (any
+    platform). `ring` (attention.py's window ring, {"kv", "pos"}) and `window`: the window's rows of the ring come
+    first, read where they lie (the keys of `attention.window_rows` in its order, with no gather of XLA's), then
+    `keys_NK`. `turn_inside` (default: compiled, not interpreted) has the kernel normalise and turn q and turn the
+    output back; otherwise XLA does, as `attend_xla` (see the module docstring for why the interpreter does not).
+    `tile`: (heads, keys, latent columns a step of the scores, output columns a program, warps), powers of two
+    (Triton's dot wants at least 16 heads and 16 keys); `dot`: how the products run (DOTS; interpreted, "ieee")."""
     heads, kdim = q_HK.shape
     dot = "ieee" if interpret else parse_dot(dot)
-    n = keys_NK.shape[0]
+    if keys_NK is None:  # no keys past the window: one masked row stands in (its loop takes no step)
+        keys_NK, valid_N, n = jnp.zeros((1, kdim), jnp.float32), jnp.zeros((1,), jnp.int32), 0
+    else:
+        n = keys_NK.shape[0]
+    if ring is None:
+        ring, window = {"kv": jnp.zeros((1, kdim), jnp.float32), "pos": jnp.full((1,), -1, jnp.int32)}, 0
+    elif not 0 < window <= ring["kv"].shape[0]:
+        raise ValueError(f"attend_kernels: a window of {window} rows in a ring of {ring['kv'].shape[0]}")
     bh, bn, bk, bv, warps = tile
     bk, bv = min(bk, kdim), min(bv, kdim)
     if kdim % bk or kdim % bv:
@@ -206,7 +233,8 @@ def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink
     if not turn:
         q_HK = apply_rope(q_HK if norm_eps is None else rms_norm(q_HK, None, norm_eps), pos, freqs)
     params = None
-    args = (q_HK, jnp.asarray(keys_NK, jnp.float32), jnp.asarray(valid_N, jnp.int32), jnp.asarray(sink_H, jnp.float32),
+    args = (q_HK, jnp.asarray(ring["kv"], jnp.float32), jnp.asarray(ring["pos"], jnp.int32),
+            jnp.asarray(keys_NK, jnp.float32), jnp.asarray(valid_N, jnp.int32), jnp.asarray(sink_H, jnp.float32),
             jnp.reshape(jnp.asarray(pos, jnp.int32), (1,)), jnp.asarray(freqs, jnp.float32))
     if interpret:  # interpreted, the kernel is XLA:CPU code inlined into its caller: keep its rounding
         args = lax.optimization_barrier(args)
@@ -215,8 +243,8 @@ def attend_kernels(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink
 
         params = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     out = pl.pallas_call(
-        functools.partial(_attend_program, heads=heads, n=n, kdim=kdim, scale=float(scale), norm_eps=norm_eps,
-                          turn=turn, bh=bh, bn=bn, bk=bk, bv=bv, dot=dot),
+        functools.partial(_attend_program, heads=heads, window=window, n=n, kdim=kdim, scale=float(scale),
+                          norm_eps=norm_eps, turn=turn, bh=bh, bn=bn, bk=bk, bv=bv, dot=dot),
         out_shape=jax.ShapeDtypeStruct((hp, kdim), jnp.float32),
         grid=(hp // bh, kdim // bv), compiler_params=params, interpret=interpret, name="attend_one_pass",
     )(*args)
@@ -233,12 +261,15 @@ def applies(kdim: int) -> bool:
         and kdim >= 16 and kdim & (kdim - 1) == 0
 
 
-def attend(q_HK: jax.Array, keys_NK: jax.Array, valid_N: jax.Array, sink_H: jax.Array, pos: jax.Array,
-           freqs: jax.Array, scale: float, norm_eps: float | None, default):
-    """`attend_kernels` on CUDA (or interpreted), `default(q, keys, valid, pos)` elsewhere."""
-    def kernel(q, keys, valid, p, interpret=False):
-        return attend_kernels(q, keys, valid, sink_H, p, freqs, scale, norm_eps, interpret=interpret)
+def attend(q_HK: jax.Array, ring: dict | None, keys_NK: jax.Array | None, valid_N: jax.Array | None,
+           sink_H: jax.Array, pos: jax.Array, freqs: jax.Array, scale: float, norm_eps: float | None, window: int,
+           default):
+    """`attend_kernels` on CUDA (or interpreted), `default(q, ring, keys, valid, pos)` elsewhere (`ring` None: no
+    window rows; `keys_NK` None: no keys past them)."""
+    def kernel(q, ring, keys, valid, p, interpret=False):
+        return attend_kernels(q, keys, valid, sink_H, p, freqs, scale, norm_eps, interpret=interpret, ring=ring,
+                              window=window)
 
     if triton_matvec.INTERPRET:
-        return kernel(q_HK, keys_NK, valid_N, pos, interpret=True)
-    return lax.platform_dependent(q_HK, keys_NK, valid_N, pos, cuda=kernel, default=default)
+        return kernel(q_HK, ring, keys_NK, valid_N, pos, interpret=True)
+    return lax.platform_dependent(q_HK, ring, keys_NK, valid_N, pos, cuda=kernel, default=default)
