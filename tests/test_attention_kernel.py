@@ -1,13 +1,15 @@
 """One token's attention as one Triton launch (jds41/layers/attention_kernel.py), opt-in with JDS41_ATTN_KERNEL=1.
 
-On every machine: the kernels in Pallas' interpreter against `attention.attend_xla` (the reference) and a float64
+On every machine: the kernel in Pallas' interpreter against `attention.attend_xla` (the reference) and a float64
 numpy re-derivation (RoPE of q at the token's position, V4's per-head RMS norm, the softmax with the sink, the
 output turned back), over key counts that are not whole chunks, masked keys, a query whose keys are all masked
 (the sink alone), head counts that are not whole head blocks, RoPE over part of the latent or all of it; a row's
-output does not depend on the rows around it (vmapped, permuted, each row at its own position). Lowered for CUDA
-with the switch on, `attend` is the one Triton call; for the CPU, or with the switch off, it is not; the products'
-two forms (JDS41_ATTN_DOT) lower to different kernels. On a GPU (marker `gpu`), in both forms: the compiled kernels
-against the XLA spelling and the float64 re-derivation, and one row against the same row in a vmapped block.
+output does not depend on the rows around it (vmapped, permuted, each row at its own position); the window's keys
+read where they lie in the ring equal `window_rows`' keys. Lowered for CUDA with the switch on, `attend` is the one
+Triton call; for the CPU, or with the switch off, it is not; the products'
+two forms (JDS41_ATTN_DOT) lower to different kernels. On a GPU (marker `gpu`), in both forms: the compiled kernel
+against the XLA spelling and the float64 re-derivation, and one row against the same row in a vmapped block; the
+ring form compiled likewise.
 """
 
 from __future__ import annotations
@@ -259,4 +261,28 @@ def test_the_compiled_kernels_agree_with_the_xla_spelling_on_the_gpu(heads, kdim
     ps = np.array([pos, pos + 7], np.int32)
     block = np.asarray(jax.vmap(lambda a, b, c, p: _kernels(a, b, c, sink, p, freqs, head_norm, interpret=False,
                                                             dot=dot))(qs, ks, vs, ps))
+    np.testing.assert_array_equal(block[0], got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window,slack,pos,n_extra", [(128, 0, 300, 96), (128, 5, 60, 0)])
+def test_the_compiled_ring_form_reads_the_windows_rows_on_the_gpu(window, slack, pos, n_extra):
+    """Compiled, tf32x3: the ring form against the float64 re-derivation over `window_rows`' keys, bit for bit
+    the kernel over the gathered keys (the window whole chunks), and a row equal to itself among rows at other
+    positions sharing the ring (block_step's vmap)."""
+    q, ring, (extra, extra_valid), sink, pos, freqs = _ring_case(window, slack, pos, n_extra, kdim=512, heads=64)
+    win_kv, win_valid = attention.window_rows(ring, window, pos)
+    keys = win_kv if extra is None else jnp.concatenate([win_kv, extra])
+    valid = win_valid if extra is None else jnp.concatenate([win_valid, extra_valid])
+
+    def ring_form(q, p):
+        return attend_kernels(q, extra, extra_valid, sink, p, freqs, 512 ** -0.5, 1e-6, dot="tf32x3", ring=ring,
+                              window=window)
+
+    got = np.asarray(ring_form(q, pos))
+    exact = _numpy_attend(q, np.asarray(keys), np.asarray(valid), sink, pos, freqs, head_norm=True)
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
+    np.testing.assert_array_equal(got, np.asarray(attend_kernels(q, keys, valid, sink, pos, freqs, 512 ** -0.5, 1e-6,
+                                                                 dot="tf32x3")))
+    block = np.asarray(jax.vmap(ring_form)(np.stack([q, q[::-1].copy()]), np.array([pos, pos - 1], np.int32)))
     np.testing.assert_array_equal(block[0], got)
