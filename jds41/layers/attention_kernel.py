@@ -146,8 +146,7 @@ def _attend_program(q_ref, ring_ref, ring_pos_ref, k_ref, valid_ref, sink_ref, p
     ring_rows = ring_ref.shape[0]
 
     def run(partner: bool):
-        def keys(refs_rows_live, carry):  # a chunk of keys: rows `rows` of `keys_ref`, masked where not `live`
-            keys_ref, rows, live = refs_rows_live
+        def chunk(keys_ref, rows, live, carry):  # keys at rows `rows` of `keys_ref`, masked where not `live`
             m, denom, acc, acc_partner = carry
             s = jnp.zeros((bh, bn), jnp.float32)
             for last, cols in steps:
@@ -168,12 +167,12 @@ def _attend_program(q_ref, ring_ref, ring_pos_ref, k_ref, valid_ref, sink_ref, p
             want = pos_ref[0] - window + 1 + i
             slot = jnp.where(i < window, lax.rem(want + ring_rows, ring_rows), 0)  # want > -ring_rows in the window
             live = (i < window) & (want >= 0) & (ring_pos_ref[slot] == want)
-            return keys((ring_ref, slot, live), carry)
+            return chunk(ring_ref, slot, live, carry)
 
         def extra_chunk(c, carry):
             n_at = c * bn + jnp.arange(bn, dtype=jnp.int32)
             rows = jnp.minimum(n_at, n - 1)  # keys past the end read the last key and are masked
-            return keys((k_ref, rows, (n_at < n) & (valid_ref[rows] != 0)), carry)
+            return chunk(k_ref, rows, (n_at < n) & (valid_ref[rows] != 0), carry)
 
         zero = jnp.zeros((bh, bv), jnp.float32)
         # the sink's logit starts the running maximum, its exp(0) = 1 the denominator: it sits there only
