@@ -275,9 +275,8 @@ case "${1:-}" in
   attn-one)  # the attention kernel in one launch (JDS41_ATTN_KERNEL=1) and the Q8_0 products rounding x too
     # (JDS41_INT8_Q8_0=1, quant/int8_act.py; its rounding launches cost what the products saved on an H100 in the
     # thirty-first session, before the FFN's input came rounded from its sublayer input's launch) against the
-    # defaults on V4-Flash 8 layers int8. First the kernel alone against XLA (four tiles, 136 and 640 keys) and its
-    # GPU tests, then one run an arm, the kernel's profile after its run (the Q8_0 arms last: a cut call loses
-    # them)
+    # defaults on V4-Flash 8 layers int8. First the kernel alone against XLA (four tiles, 136 and 640 keys), then
+    # one run an arm with its GPU tests and profile after the kernel's (the Q8_0 arms last: a cut call loses them)
     python3 experiments/bench_attention.py --keys 136,640 --out "$OUT/bench_attention_one.jsonl" \
       --tiles 16:32:128:128:4,16:32:128:512:8,16:16:128:128:4,16:32:128:64:4 > /dev/null || true
     # the decode arms take the tile with the least summed time over both key counts (the default if none ran)
@@ -298,14 +297,14 @@ print(min(full, key=total.__getitem__) if full else "")
 PICK
 )
     echo "JDS41_ATTN_TILE=$tile"
-    python3 -m pytest -q -m gpu tests/test_attention_kernel.py -p no:cacheprovider -rf --tb=short \
-      > "$OUT/attn_one_gpu_tests.txt" 2>&1 || true
-    tail -3 "$OUT/attn_one_gpu_tests.txt"
     attn=(JDS41_ATTN_KERNEL=1 ${tile:+JDS41_ATTN_TILE=$tile})
     v4=(--arch deepseek4 --layers 8 --quant mxfp4 --profiles plain --prompt 256 --decode 128 --usage-tokens 64
         --prefill-budget-s 30 --numerics int8 --out "$OUT/bench_decode_s46_8L.jsonl")
     python3 experiments/bench_decode.py "${v4[@]}"  # the first run writes the 28 GB file
     env "${attn[@]}" python3 experiments/bench_decode.py "${v4[@]}" || true
+    python3 -m pytest -q -m gpu tests/test_attention_kernel.py -p no:cacheprovider -rf --tb=short \
+      > "$OUT/attn_one_gpu_tests.txt" 2>&1 || true
+    tail -3 "$OUT/attn_one_gpu_tests.txt"
     if (( SECONDS < 400 )); then
       env "${attn[@]}" python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 \
         --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_s46_8L.jsonl" || true
