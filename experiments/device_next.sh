@@ -277,8 +277,10 @@ case "${1:-}" in
     # thirty-first session, before the FFN's input came rounded from its sublayer input's launch) against the
     # defaults on V4-Flash 8 layers int8. First the kernel alone against XLA (four tiles, 136 and 640 keys), then
     # one run an arm with its GPU tests and profile after the kernel's (the Q8_0 arms last: a cut call loses them)
-    python3 experiments/bench_attention.py --keys 136,640 --out "$OUT/bench_attention_one.jsonl" \
-      --tiles 16:32:128:128:4,16:32:128:512:8,16:16:128:128:4,16:32:128:64:4 > /dev/null || true
+    # ATTN_ONE_SHORT=1 (a short call): the sweep after the tests, the kernel's arms at the default tile
+    sweep=(python3 experiments/bench_attention.py --keys 136,640 --out "$OUT/bench_attention_one.jsonl"
+           --tiles 16:32:128:128:4,16:32:128:512:8,16:16:128:128:4,16:32:128:64:4)
+    [ -n "${ATTN_ONE_SHORT:-}" ] || "${sweep[@]}" > /dev/null || true
     # the decode arms take the tile with the least summed time over both key counts (the default if none ran)
     tile=$(python3 - "$OUT/bench_attention_one.jsonl" <<'PICK'
 import collections, json, sys
@@ -305,6 +307,7 @@ PICK
     python3 -m pytest -q -m gpu tests/test_attention_kernel.py -p no:cacheprovider -rf --tb=short \
       > "$OUT/attn_one_gpu_tests.txt" 2>&1 || true
     tail -3 "$OUT/attn_one_gpu_tests.txt"
+    [ -z "${ATTN_ONE_SHORT:-}" ] || "${sweep[@]}" > /dev/null || true
     if (( SECONDS < 400 )); then
       env "${attn[@]}" python3 experiments/profile_decode.py --arch deepseek4 --layers 8 --quant mxfp4 \
         --prompt 64 --decode 64 --numerics int8 --out "$OUT/profile_decode_s46_8L.jsonl" || true
