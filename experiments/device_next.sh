@@ -94,8 +94,10 @@
 #                                             # (the fastest is the decode arms' JDS41_ATTN_TILE), its GPU tests,
 #                                             # V4 8 layers int8 with the defaults, the kernel, a profile of it,
 #                                             # the Q8_0 products rounded too (JDS41_INT8_Q8_0=1, opt-in since the
-#                                             # thirty-first session's H100 run), both, ~9-10 min. Tried in the forty-sixth session (as "int8-q8"): no machine
-#                                             # started, and one taken back mid-call returned nothing
+#                                             # thirty-first session's H100 run), both, ~9-10 min. At 1dc57f3 on
+#                                             # an H100 (ATTN_ONE_SHORT=1, cut at 311 s): the kernel 3-4x slower
+#                                             # than XLA alone, decode 474.3 against 591.9 tok/s; the Q8_0 arms
+#                                             # did not run
 #     mhc-v4, attn-together, compressor and softmax run through `v4_ab`: the GPU tests, V4-Flash 8 layers int8 AB
 #     pairs while SECONDS < V4_AB_UNTIL_S (0: one pair), a profile an arm if SECONDS < V4_AB_PROFILE_BEFORE_S (400);
 #     the forty-third session ran the first two as separate cases with MHC_V4_* and TOGETHER_* in place of V4_AB_*

@@ -52,8 +52,10 @@ from jds41.layers.norm import rms_norm
 from jds41.layers.rope import apply_rope
 from jds41.quant import triton_matvec
 
-# JDS41_ATTN_KERNEL=1 (read at import) runs attention through the kernel on CUDA; off by default until it has
-# passed its GPU test and been timed (experiments/device_next.sh attention)
+# JDS41_ATTN_KERNEL=1 (read at import) runs attention through the kernel on CUDA; off by default: on an H100 its
+# GPU tests passed but alone it took 3-4x XLA's time and V4-Flash's 8-layer decode ran 474.3 against 591.9 tok/s
+# (results/bench_attention_one46_h100.jsonl, bench_decode_attn_one46_v4_8L_h100.jsonl): each program's serial
+# loop over the key chunks, in a grid of 16-32 programs, is latency
 ENABLED = os.environ.get("JDS41_ATTN_KERNEL", "0") == "1"
 BH = 16  # heads a program: Triton's dot needs 16 rows (fewer heads are padded)
 BN = 32  # keys a chunk
